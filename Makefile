@@ -1,0 +1,33 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the whole suite).
+# Both build .venv themselves on a fresh machine (Python 3.11+, pip; no GPU, no hub access needed).
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; on a GPU machine install your CUDA build of torch into the venv first.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test clean
+
+demo: $(VENV)/.base
+	$(BIN)/rlkit train configs/grpo_tiny.toml --report reports/grpo_tiny.html
+
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest --nbmake --nbmake-timeout=600 tests notebooks
+
+$(VENV)/.venv:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	touch $@
+
+$(VENV)/.base: $(VENV)/.venv pyproject.toml
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) reports runs

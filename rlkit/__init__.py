@@ -1,0 +1,22 @@
+"""rlkit: notebook-first RL post-training of language models on PyTorch FSDP.
+
+    cluster = rlkit.launch(world_size=2)
+    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny"))
+    trainer.fit(steps=20)
+"""
+
+from rlkit.config import ConfigError, FSDPConfig, GRPOConfig, OptimConfig, RolloutConfig
+from rlkit.runtime import launch
+from rlkit.trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "FSDPConfig",
+    "GRPOConfig",
+    "OptimConfig",
+    "RolloutConfig",
+    "Trainer",
+    "launch",
+]

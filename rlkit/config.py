@@ -1,0 +1,226 @@
+"""Run configuration: nested keyword-only dataclasses, validated whole.
+
+Every field carries a docstring (the string under it). A config is checked in
+``__post_init__``; every problem is collected and reported at once in one
+:class:`ConfigError`, each naming the setting, the value and the fix. Checks
+that need the cluster (divisibility by the world size) run in
+:meth:`GRPOConfig.check_world_size` before the trainer loads anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "FSDPConfig",
+    "GRPOConfig",
+    "OptimConfig",
+    "RolloutConfig",
+]
+
+
+class ConfigError(ValueError):
+    """One or more settings are invalid; ``problems`` lists each with its fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the config:\n{lines}")
+
+
+def _need(problems: list[str], ok: bool, message: str) -> None:
+    if not ok:
+        problems.append(message)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW for the actor, built after FSDP wrapping."""
+
+    lr: float = 1e-5
+    """Peak learning rate, > 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, >= 0."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW epsilon, > 0."""
+    max_grad_norm: float = 1.0
+    """Clip the true global gradient norm (over all ranks) to this; 0 disables clipping."""
+
+    def problems(self, prefix: str = "optim") -> list[str]:
+        p: list[str] = []
+        _need(p, self.lr > 0, f"{prefix}.lr={self.lr}: must be > 0 (e.g. 1e-5 for a 0.5B model)")
+        _need(p, self.weight_decay >= 0, f"{prefix}.weight_decay={self.weight_decay}: must be >= 0")
+        _need(
+            p,
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"{prefix}.betas={self.betas}: must be two values in [0, 1), e.g. (0.9, 0.999)",
+        )
+        _need(p, self.eps > 0, f"{prefix}.eps={self.eps}: must be > 0")
+        _need(p, self.max_grad_norm >= 0, f"{prefix}.max_grad_norm={self.max_grad_norm}: must be >= 0 (0 = off)")
+        return p
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How completions are generated."""
+
+    engine: str = "hf"
+    """Rollout engine: "hf" (Hugging Face generate on an unsharded copy of the actor)."""
+    max_new_tokens: int = 16
+    """Maximum completion length in tokens, >= 1."""
+    max_prompt_tokens: int = 64
+    """Prompts longer than this (in tokens) are rejected with an error naming them."""
+    temperature: float = 1.0
+    """Sampling temperature, > 0 (GRPO needs diverse samples within a group)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+
+    def problems(self, prefix: str = "rollout") -> list[str]:
+        p: list[str] = []
+        _need(p, self.engine in ("hf",), f'{prefix}.engine="{self.engine}": valid engines are "hf"')
+        _need(p, self.max_new_tokens >= 1, f"{prefix}.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        _need(p, self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
+        _need(p, self.temperature > 0, f"{prefix}.temperature={self.temperature}: must be > 0")
+        _need(p, 0 < self.top_p <= 1, f"{prefix}.top_p={self.top_p}: must be in (0, 1]")
+        return p
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """How the actor is sharded (FSDP2: one unit per decoder layer, then the root)."""
+
+    param_dtype: str = "auto"
+    """Parameter dtype in compute: "auto" (bf16 on GPU, fp32 on CPU), "bf16" or "fp32"."""
+    reduce_dtype: str = "fp32"
+    """Gradient reduce-scatter dtype: "fp32" (recommended) or "bf16"."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
+
+    def problems(self, prefix: str = "fsdp") -> list[str]:
+        p: list[str] = []
+        dtypes = ("auto", "bf16", "fp32")
+        _need(p, self.param_dtype in dtypes, f'{prefix}.param_dtype="{self.param_dtype}": use one of {dtypes}')
+        _need(p, self.reduce_dtype in ("bf16", "fp32"), f'{prefix}.reduce_dtype="{self.reduce_dtype}": use "fp32" or "bf16"')
+        return p
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """Group Relative Policy Optimisation (Shao et al. 2024, DeepSeekMath).
+
+    Each step samples ``prompts_per_step`` prompts, ``group_size`` completions
+    each; a completion's advantage is its reward minus its group's mean
+    (divided by the group's std when ``scale_rewards``); the actor minimises
+    the PPO clipped surrogate, plus ``kl_coef`` times a KL estimate to the
+    frozen reference when ``kl_coef > 0``.
+    """
+
+    model: str = "tiny"
+    """"tiny" (the bundled model and task) or a local Hugging Face model directory."""
+    seed: int = 0
+    """Seed for prompts, sampling and initialisation; same seed, same run."""
+    steps: int = 50
+    """Steps that ``Trainer.fit()`` and ``rlkit train`` run by default, >= 1."""
+    prompts_per_step: int = 16
+    """Distinct prompts per step; must divide across ranks (whole groups stay on one rank)."""
+    group_size: int = 8
+    """Completions sampled per prompt (GRPO's G), >= 2."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch; the per-rank batch must divide by it."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward on a rank (gradient accumulation above it)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps]."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss term; 0 skips the reference model."""
+    scale_rewards: bool = True
+    """Divide advantages by the group's reward std (False gives Dr.GRPO's unscaled form)."""
+    trust_remote_code: bool = False
+    """Allow a model directory's own Python code to run (off: nothing runs that rlkit did not ask for)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation settings."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer settings."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding settings."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("rollout", RolloutConfig), ("optim", OptimConfig), ("fsdp", FSDPConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, _from_dict(kind, value, name))
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Completions per step: prompts_per_step * group_size."""
+        return self.prompts_per_step * self.group_size
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _need(p, self.model != "", 'model="": give "tiny" or a local Hugging Face model directory')
+        if self.model != "tiny" and not Path(self.model).is_dir():
+            p.append(f'model="{self.model}": not "tiny" and not a local directory (nothing is downloaded)')
+        _need(p, self.steps >= 1, f"steps={self.steps}: must be >= 1")
+        _need(p, self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step}: must be >= 1")
+        _need(p, self.group_size >= 2, f"group_size={self.group_size}: must be >= 2 (advantages compare samples in a group)")
+        _need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
+        _need(p, self.mini_batches >= 1, f"mini_batches={self.mini_batches}: must be >= 1")
+        _need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
+        _need(p, 0 < self.clip_eps < 1, f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
+        _need(p, self.kl_coef >= 0, f"kl_coef={self.kl_coef}: must be >= 0 (0 disables the reference)")
+        return p + self.rollout.problems() + self.optim.problems() + self.fsdp.problems()
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ConfigError if the batch does not divide across ``world_size`` ranks."""
+        p: list[str] = []
+        if self.prompts_per_step % world_size:
+            p.append(
+                f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "
+                f"use a multiple of {world_size}"
+            )
+        else:
+            per_rank = self.samples_per_step // world_size
+            if per_rank % self.mini_batches:
+                p.append(
+                    f"mini_batches={self.mini_batches} does not divide the {per_rank} samples per rank "
+                    f"(prompts_per_step * group_size / world_size): use a divisor of {per_rank}"
+                )
+        if p:
+            raise ConfigError(p)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GRPOConfig:
+        return _from_dict(cls, data, "")
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> GRPOConfig:
+        """Read a TOML file whose tables mirror the dataclasses ([rollout], [optim], [fsdp])."""
+        with open(path, "rb") as f:
+            return cls.from_dict(tomllib.load(f))
+
+
+def _from_dict(kind: type, data: dict[str, Any], where: str):
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        place = f"[{where}]" if where else "the top level"
+        raise ConfigError([f"unknown setting(s) {unknown} in {place}: valid ones are {sorted(known)}"])
+    data = dict(data)
+    if "betas" in data:
+        data["betas"] = tuple(data["betas"])
+    return kind(**data)

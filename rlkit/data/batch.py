@@ -1,0 +1,129 @@
+"""The batch that flows through one RL step, phase by phase."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+@dataclass(kw_only=True)
+class Batch:
+    """B completions of one step (B = prompts x group size), in group order.
+
+    Sequences are laid out as ``[prompt (left-padded to P) | response (right-padded to T)]``.
+    Fields after ``finish_reason`` are filled by later phases and are None before.
+    """
+
+    prompts: list[str]
+    """B prompt texts (each repeated group-size times)."""
+    completions: list[str]
+    """B completion texts, decoded without special tokens."""
+    input_ids: torch.Tensor
+    """[B, P + T] int64 token ids, pad where the masks are 0."""
+    attention_mask: torch.Tensor
+    """[B, P + T] int64, 1 on real prompt and response tokens."""
+    response_mask: torch.Tensor
+    """[B, T] float32, 1 on generated tokens (the end-of-text token included)."""
+    rollout_logprobs: torch.Tensor
+    """[B, T] float32 log-probs of the sampled tokens under the rollout engine."""
+    group: torch.Tensor
+    """[B] int64, the prompt index within the step (samples of one prompt share it)."""
+    finish_reason: list[str]
+    """B values, "stop" (end-of-text emitted) or "length" (hit max_new_tokens)."""
+    fields: dict[str, list] = field(default_factory=dict)
+    """Extra per-sample columns from the prompt source (e.g. "answer"), each of length B."""
+    logprobs: torch.Tensor | None = None
+    """[B, T] float32 log-probs under the trainer's actor before the update (PPO's old policy)."""
+    ref_logprobs: torch.Tensor | None = None
+    """[B, T] float32 log-probs under the frozen reference (only when kl_coef > 0)."""
+    rewards: torch.Tensor | None = None
+    """[B] float32 total reward (weighted sum of reward_terms)."""
+    reward_terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each reward function's [B] float32 output, by name."""
+    advantages: torch.Tensor | None = None
+    """[B] float32 per-sequence advantages."""
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_length(self) -> int:
+        """P, the padded prompt length."""
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] int64 number of generated tokens."""
+        return self.response_mask.sum(dim=1).long()
+
+    def logprob_gap(self) -> torch.Tensor | None:
+        """[B] max |trainer - rollout| log-prob over each response, or None before the trainer's pass."""
+        if self.logprobs is None:
+            return None
+        gap = (self.logprobs - self.rollout_logprobs).abs() * self.response_mask
+        return gap.max(dim=1).values
+
+    def split(self, parts: int) -> list[Batch]:
+        """``parts`` contiguous, equal slices (B must divide; groups stay whole when parts divides the prompts)."""
+        if len(self) % parts:
+            raise ValueError(f"a batch of {len(self)} samples does not split into {parts} equal parts")
+        size = len(self) // parts
+        return [self._slice(slice(i * size, (i + 1) * size)) for i in range(parts)]
+
+    @staticmethod
+    def concat(batches: list[Batch]) -> Batch:
+        """Join slices made by :meth:`split` (or by ranks, which pad to the same P and T) in order."""
+        first = batches[0]
+        out = {}
+        for f in dataclasses.fields(Batch):
+            values = [getattr(b, f.name) for b in batches]
+            if f.name == "fields":
+                out[f.name] = {k: sum((v[k] for v in values), []) for k in first.fields}
+            elif f.name == "reward_terms":
+                out[f.name] = {k: torch.cat([v[k] for v in values]) for k in first.reward_terms}
+            elif values[0] is None:
+                out[f.name] = None
+            elif isinstance(values[0], torch.Tensor):
+                out[f.name] = torch.cat(values)
+            else:
+                out[f.name] = sum(values, [])
+        return Batch(**out)
+
+    def _slice(self, index: slice) -> Batch:
+        out = {}
+        for f in dataclasses.fields(Batch):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                out[f.name] = {k: v[index] for k, v in value.items()}
+            elif value is None:
+                out[f.name] = None
+            else:
+                out[f.name] = value[index]
+        return Batch(**out)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per completion: what a person reads to judge a step."""
+        lengths = self.response_lengths
+        columns: dict[str, list] = {
+            "group": self.group.tolist(),
+            "prompt": self.prompts,
+            "completion": self.completions,
+            "length": lengths.tolist(),
+            "finish_reason": self.finish_reason,
+        }
+        columns.update(self.fields)
+        for name, values in self.reward_terms.items():
+            columns[f"reward/{name}"] = values.tolist()
+        if self.rewards is not None:
+            columns["reward"] = self.rewards.tolist()
+        if self.advantages is not None:
+            columns["advantage"] = self.advantages.tolist()
+        mean_lp = (self.rollout_logprobs * self.response_mask).sum(1) / lengths.clamp(min=1)
+        columns["rollout_logprob_mean"] = mean_lp.tolist()
+        gap = self.logprob_gap()
+        if gap is not None:
+            columns["logprob_gap_max"] = gap.tolist()
+        return pd.DataFrame(columns)
+

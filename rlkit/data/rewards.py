@@ -1,0 +1,78 @@
+"""Reward functions: plain callables ``fn(prompts, completions, **fields) -> list[float]``, weighted."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+RewardFn = Callable[..., list[float]]
+
+
+class RewardError(ValueError):
+    """A reward function raised or returned something unusable; names the function and the sample."""
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str
+    fn: RewardFn
+    weight: float
+
+
+def reward_terms(spec: RewardFn | list[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]]) -> list[WeightedReward]:
+    """Normalise a reward spec: one callable, a list (weight 1 each), or {name: fn or (fn, weight)}."""
+    if callable(spec):
+        spec = [spec]
+    if isinstance(spec, Mapping):
+        items = [(name, *(v if isinstance(v, tuple) else (v, 1.0))) for name, v in spec.items()]
+    else:
+        items = [(getattr(fn, "__name__", f"reward{i}"), fn, 1.0) for i, fn in enumerate(spec)]
+    if not items:
+        raise ValueError("reward_fn is empty: give at least one reward function")
+    out = []
+    for name, fn, weight in items:
+        if not callable(fn):
+            raise TypeError(f"reward {name!r} is not callable: {fn!r}")
+        out.append(WeightedReward(name, fn, float(weight)))
+    return out
+
+
+def compute_rewards(
+    terms: list[WeightedReward], prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Call every reward function once on the whole batch.
+
+    Returns:
+        total: [B] float32, the weighted sum of the terms.
+        by_name: each term's [B] float32 values.
+    Raises:
+        RewardError: a function raised, returned the wrong length, a non-number or NaN/inf.
+    """
+    by_name = {t.name: _call(t, prompts, completions, fields) for t in terms}
+    total = sum(t.weight * by_name[t.name] for t in terms)
+    return total.float(), by_name
+
+
+def _call(term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]) -> torch.Tensor:
+    try:
+        values = term.fn(prompts, completions, **fields)
+    except Exception as exc:
+        raise RewardError(f"reward function {term.name!r} raised {type(exc).__name__}: {exc}") from exc
+    try:
+        values = list(values)
+    except TypeError:
+        raise RewardError(f"reward function {term.name!r} returned {type(values).__name__}, expected a list of floats") from None
+    if len(values) != len(completions):
+        raise RewardError(f"reward function {term.name!r} returned {len(values)} values for {len(completions)} completions")
+    for i, v in enumerate(values):
+        if not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise RewardError(
+                f"reward function {term.name!r} returned {v!r} for sample {i} "
+                f"(prompt {prompts[i]!r}, completion {completions[i]!r}): expected a finite number"
+            )
+    return torch.tensor(values, dtype=torch.float32)

@@ -1,0 +1,47 @@
+"""Load a model and tokenizer from a local directory; nothing is downloaded, no remote code by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_model_dir(model: str) -> Path:
+    """"tiny" -> the bundled model's folder; anything else must be a local Hugging Face directory."""
+    if model == "tiny":
+        from rlkit.models.tiny import TINY_MODEL_DIR
+
+        return TINY_MODEL_DIR
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model={model!r}: no config.json there; give a local Hugging Face model directory or 'tiny'")
+    return path
+
+
+def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False):
+    """The directory's tokenizer, padding on the left (prompts) with a pad token set."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(model_dir: Path, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    """A causal LM in ``dtype`` on ``device``, in train mode with dropout off (RL wants deterministic log-probs)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True
+    )
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.to(device)

@@ -1,0 +1,47 @@
+"""What every rollout engine provides."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    n: int
+    """Completions per prompt."""
+    max_new_tokens: int
+    """T, the response width every engine pads to."""
+    temperature: float
+    top_p: float
+    seed: int
+    """Seeds this call's sampling (same seed, same completions on the same engine)."""
+
+
+@dataclass(kw_only=True)
+class Generation:
+    """Completions for N prompts x n samples, prompt-major (all samples of prompt 0 first)."""
+
+    response_ids: torch.Tensor
+    """[N*n, T] int64, padded after the end with the pad id."""
+    response_mask: torch.Tensor
+    """[N*n, T] float32, 1 on generated tokens up to and including the end-of-text token."""
+    logprobs: torch.Tensor
+    """[N*n, T] float32 engine log-probs of the sampled tokens, log softmax(logits / temperature)."""
+    finish_reason: list[str]
+    """"stop" where end-of-text was emitted, "length" where max_new_tokens ran out."""
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generation:
+        """prompt_ids, prompt_mask: [N, P] left-padded."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy full (unsharded) tensors in by parameter name; returns how many were loaded."""
+        ...

@@ -1,0 +1,49 @@
+"""The row of metrics each step adds to ``trainer.history`` (names: area/name[/stat])."""
+
+from __future__ import annotations
+
+from rlkit.data.batch import Batch
+
+PHASES = ("rollout", "score", "advantages", "update")
+
+
+def step_metrics(
+    *,
+    step: int,
+    batch: Batch,
+    update_stats: dict[str, float],
+    phase_times: dict[str, float],
+    worker_times: dict[str, float],
+    memory: list[dict[str, float]],
+    step_seconds: float,
+) -> dict[str, float]:
+    """Flatten one step into numbers.
+
+    ``phase_times`` are controller wall seconds per phase; ``worker_times`` the
+    slowest rank's seconds inside each phase (generate, logprobs, reference,
+    update, sync); ``memory`` one dict per rank (MiB).
+    """
+    lengths = batch.response_lengths.float()
+    mask = batch.response_mask
+    gap = (batch.logprobs - batch.rollout_logprobs).abs() * mask
+    row: dict[str, float] = {
+        "step": step,
+        "reward/mean": batch.rewards.mean().item(),
+        "reward/std": batch.rewards.std().item(),
+        **{f"reward/{name}/mean": v.mean().item() for name, v in batch.reward_terms.items()},
+        "response/length/mean": lengths.mean().item(),
+        "response/length/max": lengths.max().item(),
+        "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
+        "rollout/logprob_gap/mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
+        "rollout/logprob_gap/max": gap.max().item(),
+        **update_stats,
+        "perf/tokens_per_s": (batch.attention_mask.sum().item()) / step_seconds,
+        "perf/rollout_tokens_per_s": mask.sum().item() / max(worker_times.get("generate", 0.0), 1e-9),
+        "time/step": step_seconds,
+        **{f"time/{p}": phase_times.get(p, 0.0) for p in PHASES},
+        **{f"time/worker/{k}": v for k, v in worker_times.items()},
+    }
+    for rank, mem in enumerate(memory):
+        for kind, mib in mem.items():
+            row[f"memory/rank{rank}/{kind}_mb"] = mib
+    return row

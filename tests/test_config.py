@@ -1,0 +1,41 @@
+"""Config validation reports every problem at once, naming the setting and the fix."""
+
+import pytest
+
+from rlkit import ConfigError, GRPOConfig, RolloutConfig
+
+
+def test_defaults_are_valid():
+    cfg = GRPOConfig()
+    assert cfg.samples_per_step == cfg.prompts_per_step * cfg.group_size
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(group_size=1, clip_eps=2.0, rollout=RolloutConfig(temperature=0.0), model="/no/such/dir")
+    text = str(err.value)
+    assert len(err.value.problems) == 4
+    for name in ("group_size=1", "clip_eps=2.0", "rollout.temperature=0.0", "/no/such/dir"):
+        assert name in text
+
+
+def test_world_size_divisibility():
+    cfg = GRPOConfig(prompts_per_step=3)
+    cfg.check_world_size(1)
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        cfg.check_world_size(2)
+    with pytest.raises(ConfigError, match="mini_batches=5"):
+        GRPOConfig(prompts_per_step=4, group_size=2, mini_batches=5).check_world_size(2)
+
+
+def test_toml_round_trip(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('seed = 3\n[rollout]\nmax_new_tokens = 7\n[optim]\nlr = 0.001\nbetas = [0.9, 0.95]\n')
+    cfg = GRPOConfig.from_toml(path)
+    assert (cfg.seed, cfg.rollout.max_new_tokens, cfg.optim.lr, cfg.optim.betas) == (3, 7, 0.001, (0.9, 0.95))
+    assert GRPOConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_unknown_setting_names_valid_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['temprature'\] in \[rollout\]"):
+        GRPOConfig.from_dict({"rollout": {"temprature": 1.0}})

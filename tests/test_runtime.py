@@ -1,0 +1,380 @@
+"""rlkit.runtime on CPU: 2 gloo workers started as fresh processes."""
+
+from __future__ import annotations
+
+import _thread
+import glob
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlkit.runtime import ClusterBroken, PerRank, RemoteError, WorkerDied, context, launch
+from rlkit.runtime.cluster import STATUS_COLUMNS
+from rlkit.runtime.transport import TensorFiles, dumps, loads
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def _holder():
+    """Keeps one cluster for the module; tests that break it get a new one from ``cluster``."""
+    holder: dict = {}
+    yield holder
+    if "cluster" in holder:
+        holder["cluster"].shutdown()
+
+
+@pytest.fixture
+def cluster(_holder):
+    if "cluster" not in _holder or _holder["cluster"].closed:
+        _holder["cluster"] = launch(2, device="cpu")
+    return _holder["cluster"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _all_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _pids(cluster) -> list[int]:
+    return cluster.status().pid.tolist()
+
+
+def _shm_files(cluster) -> list[str]:
+    return glob.glob(f"/dev/shm/rlkit-{cluster.id}-*")
+
+
+# -- no workers needed -------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="valid backends: 'local'"):
+        launch(2, backend="ray")
+    with pytest.raises(ValueError, match="valid devices"):
+        launch(2, device="tpu")
+    with pytest.raises(ValueError, match="world_size"):
+        launch(0)
+
+
+@pytest.mark.timeout(10)
+def test_context_outside_a_worker_raises():
+    with pytest.raises(RuntimeError, match="only available inside"):
+        context()
+
+
+@pytest.mark.timeout(10)
+def test_transport_moves_tensor_data_out_of_the_pickle(tmp_path):
+    big = torch.randn(1024, 1024)
+    files = TensorFiles(f"{tmp_path}/t-", reader_unlinks=False)
+    first, second = dumps((big, 1), files), dumps([big], files)
+    assert len(first) < 1024 and len(files.paths) == 1  # written once, shared by both messages
+    assert torch.equal(loads(first)[0], big) and torch.equal(loads(second)[0], big)
+    files.remove()
+    assert list(tmp_path.iterdir()) == []
+    files = TensorFiles(f"{tmp_path}/r-", reader_unlinks=True)
+    assert torch.equal(loads(dumps(big, files)), big)
+    assert list(tmp_path.iterdir()) == []  # the reader unlinked it
+
+
+# -- one shared cluster ------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_run_returns_one_result_per_rank_in_rank_order(cluster):
+    assert cluster.world_size == 2 and cluster.device == "cpu"
+    assert cluster.run(lambda: context().rank) == [0, 1]
+    assert cluster.run(lambda a, b: a + b, 1, b=2) == [3, 3]
+    ctx = cluster.run(context)[1]
+    assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend) == (1, 2, 1, "gloo")
+    assert ctx.device == torch.device("cpu")
+    assert cluster.run(lambda: (os.environ["RANK"], os.environ["WORLD_SIZE"]))[1] == ("1", "2")
+    assert cluster.run(torch.get_num_threads) == [max(1, os.cpu_count() // 2)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_per_rank_splits_arguments(cluster):
+    out = cluster.run(lambda x, y: (x, y), PerRank(["a", "b"]), y=PerRank([10, 20]))
+    assert out == [("a", 10), ("b", 20)]
+
+
+@pytest.mark.timeout(60)
+def test_per_rank_of_wrong_length_raises_before_sending(cluster):
+    def count_call():
+        state = context().state
+        state["per_rank_calls"] = state.get("per_rank_calls", 0) + 1
+
+    with pytest.raises(ValueError, match="PerRank for argument 0 has 3 items.*world_size=2"):
+        cluster.run(lambda x: count_call(), PerRank([1, 2, 3]))
+    assert cluster.run(lambda: context().state.get("per_rank_calls", 0)) == [0, 0]
+
+
+@pytest.mark.timeout(60)
+def test_closures_and_lambdas_travel_by_value(cluster):
+    factor = 3
+
+    def times(x):
+        return x * factor
+
+    assert cluster.run(times, 2) == [6, 6]
+    assert cluster.run(lambda: factor + 1) == [4, 4]
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_argument_raises_clear_error_and_cluster_survives(cluster):
+    with pytest.raises(pickle.PicklingError, match=r"argument 0 \(_thread.lock\).*cannot pickle"):
+        cluster.run(lambda lock: None, threading.Lock())
+    assert cluster.run(lambda: "ok") == ["ok", "ok"]
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_result_raises_remote_error(cluster):
+    with pytest.raises(RemoteError, match="cannot be sent back"):
+        cluster.run(threading.Lock)
+    assert cluster.run(lambda: 1) == [1, 1]
+
+
+@pytest.mark.timeout(60)
+def test_tensors_round_trip_exactly_both_ways(cluster):
+    tensors = {
+        "float32": torch.randn(4, 5),
+        "bfloat16": torch.randn(300, 200).to(torch.bfloat16),
+        "bool": torch.rand(70_000) > 0.5,
+        "int64": torch.arange(-50_000, 50_000),
+        "non_contiguous": torch.randn(300, 400).t()[::2],
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "requires_grad": torch.randn(100, 200, requires_grad=True),
+        "64MB": torch.randn(16 * 1024 * 1024),
+    }
+
+    def echo(received: dict) -> dict:
+        made_here = {"grad": torch.ones(50_000, requires_grad=True) * 2}
+        return {**received, **made_here}
+
+    for result in cluster.run(echo, tensors):
+        assert result.keys() == {*tensors, "grad"}
+        for name, sent in tensors.items():
+            got = result[name]
+            assert got.dtype == sent.dtype and got.shape == sent.shape, name
+            assert torch.equal(got, sent.detach()), name
+            assert not got.requires_grad, name
+        assert torch.equal(result["grad"], torch.full((50_000,), 2.0))
+        assert not result["grad"].requires_grad
+    assert _shm_files(cluster) == []
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_and_state_that_persists_between_calls(cluster):
+    def step():
+        ctx = context()
+        ctx.state["steps"] = ctx.state.get("steps", 0) + 1
+        t = torch.tensor([ctx.rank + 1.0])
+        dist.all_reduce(t)
+        return t.item(), ctx.state["steps"]
+
+    assert cluster.run(step) == [(3.0, 1), (3.0, 1)]
+    assert cluster.run(step) == [(3.0, 2), (3.0, 2)]
+
+
+@pytest.mark.timeout(60)
+def test_exception_on_one_rank_names_it_with_remote_traceback(cluster):
+    def explode_on_worker():
+        raise ValueError("boom on purpose")
+
+    def fn():
+        if context().rank == 1:
+            explode_on_worker()
+        return "fine"
+
+    with pytest.raises(RemoteError) as info:
+        cluster.run(fn)
+    message = str(info.value)
+    assert info.value.ranks == [1]
+    assert "rank 1 (host" in message and "device cpu" in message
+    assert "ValueError: boom on purpose" in message
+    assert "explode_on_worker" in message and "Traceback" in message
+    assert "rank 0" not in message
+    assert cluster.run(lambda: "again") == ["again", "again"]
+
+
+@pytest.mark.timeout(60)
+def test_several_failed_ranks_are_all_named(cluster):
+    def fn():
+        raise KeyError(f"rank{context().rank}")
+
+    with pytest.raises(RemoteError) as info:
+        cluster.run(fn)
+    assert info.value.ranks == [0, 1]
+    assert "rank 0 (host" in str(info.value) and "also rank 1 (host" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_authkey_is_refused_and_cluster_keeps_working(cluster):
+    with pytest.raises(multiprocessing.AuthenticationError):
+        Client(cluster.address, authkey=b"not the key")
+    assert cluster.run(lambda: 2) == [2, 2]
+
+
+@pytest.mark.timeout(60)
+def test_worker_output_is_forwarded_with_prefix_and_logged(cluster, capsys):
+    cluster.run(lambda: print(f"hello from rank {context().rank}"))
+    out = capsys.readouterr().out
+    assert "[rank 1] hello from rank 1" in out and "[rank 0] hello from rank 0" in out
+    assert "hello from rank 1" in (cluster.log_dir / "rank1.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_worker_output_is_rate_limited_but_fully_logged(cluster, capsys):
+    def flood():
+        for i in range(500):
+            print(f"flood line {i}")
+
+    cluster.run(flood)
+    out = capsys.readouterr().out
+    forwarded = [line for line in out.splitlines() if line.startswith("[rank 0] flood line")]
+    assert 0 < len(forwarded) < 200
+    assert "lines dropped, see" in out and str(cluster.log_dir / "rank0.log") in out
+    assert (cluster.log_dir / "rank0.log").read_text().count("flood line") == 500
+
+
+@pytest.mark.timeout(60)
+def test_status_has_documented_columns(cluster):
+    time.sleep(1.2)  # let a heartbeat arrive
+    status = cluster.status()
+    assert list(status.columns) == STATUS_COLUMNS
+    assert status["rank"].tolist() == [0, 1] and status["alive"].all()
+    assert not status["busy"].any() and (status["device"] == "cpu").all()
+    assert (status["heartbeat_age_s"] < 5).all() and (status["rss_mb"] > 10).all()
+
+
+# -- tests that break their cluster ------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_breaks_the_cluster_and_stops_workers(cluster):
+    pids = _pids(cluster)
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(time.sleep, 30)
+    assert cluster.closed and _all_gone(pids)
+    with pytest.raises(ClusterBroken, match="interrupted.*relaunch with rlkit.launch"):
+        cluster.run(lambda: 1)
+
+
+@pytest.mark.timeout(60)
+def test_killed_worker_raises_worker_died_quickly(cluster):
+    pids = _pids(cluster)
+
+    def die_on_rank_1():
+        if context().rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match="rank 1") as info:
+        cluster.run(die_on_rank_1)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == 1 and info.value.pid == pids[1] and "SIGKILL" in str(info.value)
+    assert _all_gone(pids)
+    assert _shm_files(cluster) == []
+    with pytest.raises(ClusterBroken, match="cluster is broken.*relaunch with rlkit.launch"):
+        cluster.run(lambda: 1)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_stuck_after_another_rank_failed_break_the_cluster(cluster):
+    cluster.error_grace_s = 1.0
+    pids = _pids(cluster)
+
+    def fn():
+        if context().rank == 1:
+            raise RuntimeError("rank 1 gives up")
+        dist.barrier()  # never completes: rank 1 is gone from the collective
+
+    with pytest.raises(RemoteError, match=r"ranks \[0\] did not finish"):
+        cluster.run(fn)
+    assert _all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_launch_replaces_earlier_cluster_and_shutdown_is_idempotent(tmp_path):
+    first = launch(2, device="cpu")
+    first_pids = _pids(first)
+    threads = 1 if os.cpu_count() // 2 >= 2 else 2  # not the default share of the cores
+    second = launch(2, device="cpu", log_dir=tmp_path, env={"OMP_NUM_THREADS": str(threads)})
+    assert first.closed and _all_gone(first_pids)
+    assert second.run(torch.get_num_threads) == [threads, threads]
+    assert second.log_dir == tmp_path and (tmp_path / "rank1.log").exists()
+    second_pids = _pids(second)
+    second.shutdown()
+    assert _all_gone(second_pids, timeout=0.1)
+    second.shutdown()
+    assert not second.status()["alive"].any()
+
+
+@pytest.mark.timeout(30)
+def test_launch_timeout_raises_and_leaves_no_worker(tmp_path):
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not connect"):
+        launch(2, device="cpu", timeout=0.3, log_dir=tmp_path)
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if "rlkit.runtime.worker" in " ".join(p.cmdline())]
+    assert _all_gone([p.pid for p in workers], timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_workers_die_with_their_controller():
+    code = ("import json, time\nfrom rlkit.runtime import launch\nc = launch(2, device='cpu')\n"
+            "print(json.dumps(c.status().pid.tolist()), flush=True)\ntime.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    controller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    try:
+        pids = json.loads(controller.stdout.readline())
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        controller.kill()
+        controller.wait()
+    assert _all_gone(pids, timeout=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.timeout(120)
+def test_cuda_workers_use_nccl_and_return_cuda_tensors_on_the_cpu():
+    with launch(2, device="auto") as cluster:
+        assert cluster.device == "cuda"
+        assert cluster.status()["device"].tolist() == ["cuda:0", "cuda:1"]
+
+        def fn(x):
+            ctx = context()
+            t = torch.full((4,), ctx.rank + 1.0, device=ctx.device)
+            dist.all_reduce(t)
+            big = torch.arange(1 << 20, device=ctx.device) + ctx.rank
+            return ctx.backend, torch.cuda.current_device(), t, x.to(ctx.device).sum().item(), big
+
+        for rank, (backend, current, t, total, big) in enumerate(cluster.run(fn, torch.ones(500, 500))):
+            assert (backend, current, total) == ("nccl", rank, 250_000.0)
+            assert t.device.type == "cpu" and t.tolist() == [3.0] * 4
+            assert big.device.type == "cpu" and torch.equal(big, torch.arange(1 << 20) + rank)
