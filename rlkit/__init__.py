@@ -5,13 +5,14 @@
     trainer.fit(steps=20)
 """
 
-from rlkit.config import ConfigError, FSDPConfig, GRPOConfig, OptimConfig, RolloutConfig
+from rlkit.config import CheckpointConfig, ConfigError, FSDPConfig, GRPOConfig, OptimConfig, RolloutConfig
 from rlkit.runtime import launch
 from rlkit.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
     "FSDPConfig",
     "GRPOConfig",

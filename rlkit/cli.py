@@ -37,7 +37,7 @@ def train(args: argparse.Namespace) -> int:
         config = GRPOConfig.from_toml(args.config) if args.config else GRPOConfig()
         if args.steps is not None:
             config = dataclasses.replace(config, steps=args.steps)
-        config.check_world_size(args.world_size)
+        config.check_cluster(args.world_size, args.device)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ Every field carries a docstring (the string under it). A config is checked in
 ``__post_init__``; every problem is collected and reported at once in one
 :class:`ConfigError`, each naming the setting, the value and the fix. Checks
 that need the cluster (divisibility by the world size) run in
-:meth:`GRPOConfig.check_world_size` before the trainer loads anything.
+:meth:`GRPOConfig.check_cluster` before the trainer loads anything.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
     "FSDPConfig",
     "GRPOConfig",
@@ -52,6 +53,12 @@ class OptimConfig:
     """AdamW epsilon, > 0."""
     max_grad_norm: float = 1.0
     """Clip the true global gradient norm (over all ranks) to this; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    schedule: str = "constant"
+    """After warmup: "constant" or "cosine" (decays to min_lr_ratio * lr at the last optimizer step)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of lr, in [0, 1]."""
 
     def problems(self, prefix: str = "optim") -> list[str]:
         p: list[str] = []
@@ -64,6 +71,9 @@ class OptimConfig:
         )
         _need(p, self.eps > 0, f"{prefix}.eps={self.eps}: must be > 0")
         _need(p, self.max_grad_norm >= 0, f"{prefix}.max_grad_norm={self.max_grad_norm}: must be >= 0 (0 = off)")
+        _need(p, self.warmup_steps >= 0, f"{prefix}.warmup_steps={self.warmup_steps}: must be >= 0")
+        _need(p, self.schedule in ("constant", "cosine"), f'{prefix}.schedule="{self.schedule}": use "constant" or "cosine"')
+        _need(p, 0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         return p
 
 
@@ -94,20 +104,81 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class FSDPConfig:
-    """How the actor is sharded (FSDP2: one unit per decoder layer, then the root)."""
+    """How the actor (and reference) are sharded. Knob names follow what FSDP users know."""
 
+    version: int = 2
+    """2: FSDP2 ``fully_shard`` (one unit per decoder layer, then the root); 1: ``FullyShardedDataParallel``."""
+    sharding: str = "full"
+    """"full" (shard over all ranks), "hybrid" (shard within groups of hybrid_shard_size ranks,
+    replicate across groups) or "no_shard" (replicate everywhere, like DDP)."""
+    hybrid_shard_size: int = 0
+    """Ranks per shard group with sharding="hybrid" (usually the GPUs of one node); must divide the world size."""
     param_dtype: str = "auto"
     """Parameter dtype in compute: "auto" (bf16 on GPU, fp32 on CPU), "bf16" or "fp32"."""
     reduce_dtype: str = "fp32"
     """Gradient reduce-scatter dtype: "fp32" (recommended) or "bf16"."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
+    backward_prefetch: str = "pre"
+    """FSDP1's backward prefetch: "pre", "post" or "none" (FSDP2 always prefetches the next layer: only "pre")."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state on the CPU between uses (GPU only)."""
 
     def problems(self, prefix: str = "fsdp") -> list[str]:
         p: list[str] = []
         dtypes = ("auto", "bf16", "fp32")
+        _need(p, self.version in (1, 2), f"{prefix}.version={self.version}: use 2 (fully_shard) or 1 (FullyShardedDataParallel)")
+        _need(p, self.sharding in SHARDING, f'{prefix}.sharding="{self.sharding}": use one of {SHARDING}')
+        _need(p, self.hybrid_shard_size >= 0, f"{prefix}.hybrid_shard_size={self.hybrid_shard_size}: must be >= 0")
         _need(p, self.param_dtype in dtypes, f'{prefix}.param_dtype="{self.param_dtype}": use one of {dtypes}')
         _need(p, self.reduce_dtype in ("bf16", "fp32"), f'{prefix}.reduce_dtype="{self.reduce_dtype}": use "fp32" or "bf16"')
+        prefetch = ("pre", "post", "none") if self.version == 1 else ("pre",)
+        _need(
+            p,
+            self.backward_prefetch in prefetch,
+            f'{prefix}.backward_prefetch="{self.backward_prefetch}": with version={self.version} use one of {prefetch}',
+        )
+        return p
+
+    def cluster_problems(self, world_size: int, device: str, prefix: str = "fsdp") -> list[str]:
+        """Problems that depend on the cluster: hybrid group size, offload on CPU."""
+        p: list[str] = []
+        if self.sharding == "hybrid":
+            size = self.hybrid_shard_size or world_size
+            _need(
+                p,
+                world_size % size == 0,
+                f"{prefix}.hybrid_shard_size={size} does not divide world_size={world_size}: use a divisor",
+            )
+        _need(
+            p,
+            not (self.cpu_offload and device == "cpu"),
+            f"{prefix}.cpu_offload=True on a CPU cluster: offload moves GPU memory to the CPU; set it to False",
+        )
+        return p
+
+
+SHARDING = ("full", "hybrid", "no_shard")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how often ``fit`` saves, and what a checkpoint holds."""
+
+    dir: str = ""
+    """Folder for step-<N> checkpoints written by ``fit`` every ``every`` steps ("" = only explicit saves)."""
+    every: int = 0
+    """Save every this many steps during ``fit`` (0 = never; needs ``dir``)."""
+    keep_last: int = 3
+    """Complete checkpoints kept in a folder; older ones are deleted after a new one is published (0 = keep all)."""
+    export_hf: bool = True
+    """Also write a Hugging Face export (safetensors, config, tokenizer) into each checkpoint's hf/ folder."""
+
+    def problems(self, prefix: str = "checkpoint") -> list[str]:
+        p: list[str] = []
+        _need(p, self.every >= 0, f"{prefix}.every={self.every}: must be >= 0 (0 = never)")
+        _need(p, self.keep_last >= 0, f"{prefix}.keep_last={self.keep_last}: must be >= 0 (0 = keep all)")
+        _need(p, not (self.every and not self.dir), f"{prefix}.every={self.every} needs {prefix}.dir: set a folder")
         return p
 
 
@@ -152,9 +223,16 @@ class GRPOConfig:
     """Optimizer settings."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding settings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint settings."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("rollout", RolloutConfig), ("optim", OptimConfig), ("fsdp", FSDPConfig)):
+        for name, kind in (
+            ("rollout", RolloutConfig),
+            ("optim", OptimConfig),
+            ("fsdp", FSDPConfig),
+            ("checkpoint", CheckpointConfig),
+        ):
             value = getattr(self, name)
             if isinstance(value, dict):
                 setattr(self, name, _from_dict(kind, value, name))
@@ -180,11 +258,11 @@ class GRPOConfig:
         _need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
         _need(p, 0 < self.clip_eps < 1, f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
         _need(p, self.kl_coef >= 0, f"kl_coef={self.kl_coef}: must be >= 0 (0 disables the reference)")
-        return p + self.rollout.problems() + self.optim.problems() + self.fsdp.problems()
+        return p + self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise ConfigError if the batch does not divide across ``world_size`` ranks."""
-        p: list[str] = []
+    def check_cluster(self, world_size: int, device: str = "cpu") -> None:
+        """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
+        p: list[str] = self.fsdp.cluster_problems(world_size, device)
         if self.prompts_per_step % world_size:
             p.append(
                 f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "

@@ -21,11 +21,11 @@ def test_all_problems_reported_at_once():
 
 def test_world_size_divisibility():
     cfg = GRPOConfig(prompts_per_step=3)
-    cfg.check_world_size(1)
+    cfg.check_cluster(1)
     with pytest.raises(ConfigError, match="multiple of 2"):
-        cfg.check_world_size(2)
+        cfg.check_cluster(2)
     with pytest.raises(ConfigError, match="mini_batches=5"):
-        GRPOConfig(prompts_per_step=4, group_size=2, mini_batches=5).check_world_size(2)
+        GRPOConfig(prompts_per_step=4, group_size=2, mini_batches=5).check_cluster(2)
 
 
 def test_toml_round_trip(tmp_path):

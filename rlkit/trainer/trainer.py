@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -17,7 +19,7 @@ from rlkit.data.prompts import PromptSource
 from rlkit.data.rewards import RewardFn, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank
-from rlkit.trainer import policy_worker
+from rlkit.trainer import checkpoints, policy_worker
 from rlkit.trainer.metrics import step_metrics
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ class Trainer:
         reward_fn: Rewards | None = None,
         prompts: Sequence[str | dict[str, Any]] | None = None,
     ):
-        config.check_world_size(cluster.world_size)
+        config.check_cluster(cluster.world_size, cluster.device)
         self.cluster = cluster
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
@@ -134,7 +136,6 @@ class Trainer:
         stats = {k: v for k, v in results[0].items() if isinstance(v, (int, float))}
         norms = [r["grad/norm"] for r in results]
         stats["grad/norm_rank_spread"] = max(norms) - min(norms)
-        self._update_stats = stats
         return stats
 
     # -- loops ----------------------------------------------------------------------------------
@@ -171,9 +172,12 @@ class Trainer:
         if steps < 1:
             raise ValueError(f"steps={steps}: must be >= 1")
         bar = tqdm(range(steps), desc="rlkit", disable=not progress)
+        every, folder = self.config.checkpoint.every, self.config.checkpoint.dir
         for _ in bar:
             row = self.step()
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}")
+            if every and self.steps_done % every == 0:
+                self.save(folder)
             if on_step is not None:
                 on_step(row)
         return self.history
@@ -181,6 +185,48 @@ class Trainer:
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a checkpoint of this step into the folder ``path`` (as ``path/step-<N>``); returns its path.
+
+        Atomic: it appears only when complete. All but the newest ``config.checkpoint.keep_last`` are dropped.
+        """
+        root = Path(path)
+        partial = checkpoints.partial_dir(root, self.steps_done)
+        self.cluster.run(policy_worker.save, str(partial), self.config.checkpoint.export_hf)
+        meta = {
+            "config": self.config.to_dict(),
+            "steps_done": self.steps_done,
+            "prompts": self._prompts.state_dict(),
+            "history": self._rows,
+        }
+        return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+
+    @classmethod
+    def resume(
+        cls,
+        cluster: Cluster,
+        path: str | os.PathLike,
+        *,
+        reward_fn: Rewards | None = None,
+        prompts: Sequence[str | dict[str, Any]] | None = None,
+    ) -> Trainer:
+        """A trainer continuing from a checkpoint (``path`` itself or the latest complete one under it).
+
+        Weights, optimizer, schedule, RNG, step count, prompt position and history are restored; the
+        reward function and prompts are not stored, so pass them again unless the run used the bundled task.
+        """
+        checkpoint = checkpoints.resolve(path)
+        meta = checkpoints.read_meta(checkpoint)
+        trainer = cls(cluster, GRPOConfig.from_dict(meta["config"]), reward_fn=reward_fn, prompts=prompts)
+        cluster.run(policy_worker.load, str(checkpoint))
+        trainer.steps_done = meta["steps_done"]
+        trainer._rows = meta["history"]
+        trainer._prompts.load_state_dict(meta["prompts"])
+        log.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
+        return trainer
 
     # -- internals ------------------------------------------------------------------------------
 
