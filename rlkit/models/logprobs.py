@@ -35,6 +35,11 @@ def response_logprobs(
     Returns:
         [B, T] float32; positions past a response's end hold garbage and must be masked.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
-    logits = out.logits[:, -response_width - 1 : -1]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_for(attention_mask),
+        logits_to_keep=response_width + 1,  # the LM head runs on the response positions only
+    )
+    logits = out.logits[:, :-1]
     return token_logprobs(logits, input_ids[:, -response_width:], temperature)
