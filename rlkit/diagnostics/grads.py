@@ -19,9 +19,8 @@ from torch import nn
 
 from rlkit.diagnostics.agreement import checksum, outliers
 from rlkit.diagnostics.inspection import replica_key
-from rlkit.diagnostics.layout import discover
+from rlkit.diagnostics.layout import discover, unit_label
 
-UNWRAPPED = "(unwrapped)"
 
 
 @dataclass(kw_only=True)
@@ -96,7 +95,7 @@ class GradNorms:
     global_norm: float
     """The true global norm, from every rank's local pieces (replicated pieces counted once)."""
     units: pd.DataFrame
-    """One row per unit: ``rank{r}`` local norms, then ``global``, the unit's norm over all ranks."""
+    """One row per unit (see :func:`unit_label`): ``rank{r}`` local norms, then ``global``, its norm over all ranks."""
     ranks: pd.DataFrame
     """One row per rank: loss, reported_norm, local_norm, norm_ok."""
     mismatches: pd.DataFrame
@@ -143,11 +142,11 @@ def _pieces(reports: Sequence[GradReport]) -> dict[tuple[str, int], float]:
 
 
 def _unit_table(reports: Sequence[GradReport], pieces: dict[tuple[str, int], float]) -> pd.DataFrame:
-    unit_of = {e.name: e.unit or UNWRAPPED for e in reports[0].entries}
+    unit_of = {e.name: unit_label(e.unit) for e in reports[0].entries}
     rows: dict[str, dict] = {}
     for r in reports:
         for e in r.entries:
-            row = rows.setdefault(e.unit or UNWRAPPED, {"unit": e.unit or UNWRAPPED})
+            row = rows.setdefault(unit_label(e.unit), {"unit": unit_label(e.unit)})
             row[f"rank{r.rank}"] = row.get(f"rank{r.rank}", 0.0) + e.sumsq
     for (name, _), sumsq in pieces.items():
         row = rows[unit_of[name]]

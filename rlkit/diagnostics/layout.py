@@ -97,6 +97,11 @@ def clean_name(name: str) -> str:
     return name.strip(".").replace("..", ".")
 
 
+def unit_label(unit: str | None) -> str:
+    """How tables name a unit: its module path, "(root)", or "(unwrapped)" for parameters no unit manages."""
+    return "(unwrapped)" if unit is None else unit or "(root)"
+
+
 def discover(model: nn.Module) -> Layout:
     """Every FSDP unit of ``model`` and every parameter, wrapped or not."""
     names = {id(m): clean_name(n) for n, m in model.named_modules()}

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from rlkit.diagnostics.agreement import outliers
 from rlkit.diagnostics.inspection import RankReport
+from rlkit.diagnostics.layout import unit_label
 from rlkit.diagnostics.scaling import rank_state_bytes, whole_state_bytes
 
 
@@ -31,10 +32,6 @@ def _size(n: float) -> str:
             return f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def _unit(name: str | None) -> str:
-    return "(root)" if name == "" else str(name)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -78,10 +75,10 @@ def one_giant_unit(r: RankReport) -> Iterator[Raw]:
             kinds = sorted({r.blocks[b] for b in inside})
             yield Raw(
                 "one-giant-unit", "warning",
-                f"One FSDP unit ({_unit(unit.name)}) holds {share:.0%} of the parameters, including {len(inside)} "
+                f"One FSDP unit ({unit_label(unit.name)}) holds {share:.0%} of the parameters, including {len(inside)} "
                 "blocks that could be units of their own: every rank all-gathers it whole, so peak memory is the "
                 "whole unit and no communication overlaps compute.",
-                f"unit {_unit(unit.name)}: {unit.params} parameters, {unit.numel:,} of {total:,} elements; blocks "
+                f"unit {unit_label(unit.name)}: {unit.params} parameters, {unit.numel:,} of {total:,} elements; blocks "
                 f"inside it: {_listing(inside)} ({', '.join(kinds)})",
                 f"Wrap each block, then the root. FSDP2: `for block in ...: fully_shard(block)` then "
                 f"`fully_shard(model)`; FSDP1: `auto_wrap_policy=ModuleWrapPolicy({{{', '.join(kinds)}}})`.",
@@ -95,7 +92,7 @@ def no_shard(r: RankReport) -> Iterator[Raw]:
             "no-shard", "warning",
             f"{len(units)} FSDP unit(s) do not shard (NO_SHARD): each of the {r.world_size} ranks holds every "
             "parameter, gradient and optimizer state of them, as with DDP.",
-            "; ".join(f"{_unit(u.name)}: {u.api} {u.strategy}, shard size {u.shard_size}, "
+            "; ".join(f"{unit_label(u.name)}: {u.api} {u.strategy}, shard size {u.shard_size}, "
                       f"{u.replicate_size} replicas" for u in units[:5]),
             "FSDP1: sharding_strategy=ShardingStrategy.FULL_SHARD (HYBRID_SHARD to shard within a node); FSDP2: a "
             "mesh whose shard dimension spans the ranks, e.g. init_device_mesh(device, (world_size,)). If "
@@ -104,7 +101,7 @@ def no_shard(r: RankReport) -> Iterator[Raw]:
 
 
 def _fp16_sites(r: RankReport) -> list[str]:
-    sites = [f"unit {_unit(u.name)} {kind}" for u in r.units for kind in ("param_dtype", "reduce_dtype")
+    sites = [f"unit {unit_label(u.name)} {kind}" for u in r.units for kind in ("param_dtype", "reduce_dtype")
              if getattr(u, kind) == "float16"]
     return sites + [f"parameter {p.name}" for p in r.params if p.dtype == "float16" and p.requires_grad]
 
@@ -127,7 +124,7 @@ def mixed_fp16_bf16(r: RankReport) -> Iterator[Raw]:
     for u in r.units:
         for kind in ("param_dtype", "reduce_dtype"):
             if getattr(u, kind) in where:
-                where[getattr(u, kind)].append(f"unit {_unit(u.name)} {kind}")
+                where[getattr(u, kind)].append(f"unit {unit_label(u.name)} {kind}")
     for p in r.params:
         if p.dtype in where:
             where[p.dtype].append(f"parameter {p.name}")
@@ -152,7 +149,7 @@ def flat_params(r: RankReport) -> Iterator[Raw]:
             f"model.named_parameters() yields one '_flat_param' per unit instead of {len(names)} names, so "
             "per-parameter optimizer groups, weight-decay exclusions, weight sync by name and per-parameter "
             "diagnostics cannot address them.",
-            f"units: {_listing([_unit(u.name) for u in units])}; hidden parameters: {_listing(names)}",
+            f"units: {_listing([unit_label(u.name) for u in units])}; hidden parameters: {_listing(names)}",
             "FSDP(..., use_orig_params=True), or move to FSDP2 (fully_shard), which keeps every parameter.",
         )
 
@@ -184,7 +181,7 @@ def frozen_trainable_mixed(r: RankReport) -> Iterator[Raw]:
             wasted = sum(p.local_bytes for p in frozen)
             yield Raw(
                 "frozen-trainable-mixed", "warning",
-                f"FSDP1 unit {_unit(unit.name)} mixes frozen and trainable parameters in one flat parameter: "
+                f"FSDP1 unit {unit_label(unit.name)} mixes frozen and trainable parameters in one flat parameter: "
                 "gradient memory is allocated and reduced for the frozen ones too.",
                 f"{len(frozen)} frozen ({_listing([p.name for p in frozen], 3)}), {len(mine) - len(frozen)} "
                 f"trainable; about {_size(wasted)} of gradient per rank for frozen weights",

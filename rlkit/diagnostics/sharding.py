@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 
 from rlkit.diagnostics.inspection import RankReport
+from rlkit.diagnostics.layout import unit_label
 from rlkit.diagnostics.memory import MiB
 from rlkit.diagnostics.scaling import rank_state_bytes
 
@@ -40,7 +41,7 @@ def _units(reports: Sequence[RankReport]) -> pd.DataFrame:
     rows = []
     for i, unit in enumerate(reports[0].units):
         row = {k: v for k, v in asdict(unit).items() if k != "local_bytes"}
-        row["name"] = unit.name or "(root)"
+        row["name"] = unit_label(unit.name)
         row.update({f"rank{r.rank}_mb": r.units[i].local_bytes / MiB for r in reports})
         rows.append(row)
     return pd.DataFrame(rows)
