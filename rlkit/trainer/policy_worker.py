@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from rlkit.algos import clipped_policy_loss, kl_estimate
 from rlkit.config import GRPOConfig
+from rlkit.diagnostics import GradReport, MemoryTracker, grad_report
 from rlkit.diagnostics.memory import memory_mb
 from rlkit.fsdp import apply_fsdp
 from rlkit.fsdp.apply import param_dtype
@@ -65,6 +67,9 @@ class PolicyWorker:
             pad_token_id=tokenizer.pad_token_id,
         )
         self.times: dict[str, float] = {}
+        roles = [m for m in (self.actor, self.reference) if m is not None]
+        self.memory = MemoryTracker(self.device, models=roles, optimizers=[self.optimizer], engine=self.engine.model)
+        self.grads: GradReport | None = None  # the last optimizer step's (before clipping), with the update's loss
 
     @contextmanager
     def timed(self, phase: str):
@@ -86,6 +91,7 @@ class PolicyWorker:
             None), finish_reason, and this rank's phase times and memory.
         """
         self.times = {}
+        self.memory.reset()
         cfg = self.config
         params = SamplingParams(
             n=cfg.group_size,
@@ -96,16 +102,19 @@ class PolicyWorker:
         )
         with self.timed("generate"):
             gen = self.engine.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+        self.memory.mark("rollout")
         prompts = prompt_ids.to(self.device).repeat_interleave(cfg.group_size, dim=0)
         masks = prompt_mask.to(self.device).repeat_interleave(cfg.group_size, dim=0)
         input_ids = torch.cat([prompts, gen.response_ids], dim=1)
         attention_mask = torch.cat([masks, gen.response_mask.long()], dim=1)
         with self.timed("logprobs"):
             logprobs = self.logprobs(self.actor, input_ids, attention_mask)
+        self.memory.mark("actor_logprobs")
         ref_logprobs = None
         if self.reference is not None:
             with self.timed("reference"):
                 ref_logprobs = self.logprobs(self.reference, input_ids, attention_mask)
+            self.memory.mark("reference")
         return {
             "response_ids": gen.response_ids.cpu(),
             "response_mask": gen.response_mask.cpu(),
@@ -153,9 +162,11 @@ class PolicyWorker:
                     grad_norms.append(norm)
         with self.timed("sync"):
             loaded = self.engine.load_weights(gathered_weights(self.actor))
+        self.memory.mark("weight_sync")
         dist.all_reduce(totals)
         loss, clipped, kl, tokens, steps = totals.tolist()
         steps = steps / self.world_size
+        self.grads = replace(self.grads, loss=loss / steps)
         return {
             "policy/loss": loss / steps,
             "policy/clipfrac": clipped / tokens,
@@ -205,11 +216,15 @@ class PolicyWorker:
                 ]
             ).to(torch.float64)
         sums[4] = 1.0
+        self.memory.mark("forward_backward")
+        grads = grad_report(self.actor)
         max_norm = cfg.optim.max_grad_norm or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         self.optimizer.step()
+        self.memory.mark("optimizer_step")
+        self.grads = replace(grads, global_norm=norm.item())
         return sums, norm.item()
 
 
