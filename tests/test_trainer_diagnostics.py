@@ -69,6 +69,7 @@ def test_trainer_diagnostics_after_a_step(trainer, model_dir):
     assert sorted(sharding.units["name"]) == ["(root)", "model.layers.0", "model.layers.1"]
     assert sharding.unwrapped == []
     assert sorted(set(sharding.totals["role"])) == ["engine", "model", "reference"]
+    assert sharding.scaling["vs_ideal"].iloc[-1] < 1.05  # the actor's parameters, gradients, AdamW state: halved
 
     memory = trainer.memory()
     for rank in (0, 1):

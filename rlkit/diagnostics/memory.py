@@ -95,10 +95,8 @@ class MemoryTracker:
         params = [p for m in self.models for p in m.parameters()]
         parameters = storage_bytes(params, self.device)
         gradients = storage_bytes((p.grad for p in params), self.device)
-        optimizer = storage_bytes(
-            (v for opt in self.optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
-            self.device,
-        )
+        states = (v for opt in self.optimizers for s in opt.state.values() for v in s.values())
+        optimizer = storage_bytes((v for v in states if isinstance(v, torch.Tensor)), self.device)
         engine = 0 if self.engine is None else storage_bytes(
             [*self.engine.parameters(), *self.engine.buffers()], self.device
         )

@@ -1,4 +1,4 @@
-"""The lint rules. Each takes one rank's report (``PER_RANK``) or all of them (``ACROSS_RANKS``) and yields Raw findings."""
+"""The lint rules: each takes one rank's report (``PER_RANK``) or all of them (``ACROSS_RANKS``) and yields Raws."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def unwrapped_params(r: RankReport) -> Iterator[Raw]:
     if r.world_size < 2:
         return
     if not r.units:
-        yield Raw("no-fsdp-units", "error", "The model has no FSDP unit: nothing is sharded.",
+        yield Raw("no-fsdp-units", "warning", "The model has no FSDP unit: nothing is sharded.",
                   f"{len(r.params)} parameters, none managed by FSDP",
                   "Wrap it: FSDP2 fully_shard per block then the root; FSDP1 FSDP(model, auto_wrap_policy=...).")
         return
@@ -248,8 +248,8 @@ def ranks_differ(reports: Sequence[RankReport]) -> Iterator[Raw]:
             _listing(bad),
             "Start every rank from the same weights: the same seed before building the model, FSDP1 "
             "sync_module_states=True, or the same checkpoint on every rank (FSDP2: set_model_state_dict(..., "
-            "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))); if an engine copy "
-            "differs, re-sync its weights.",
+            "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))); parameters outside FSDP "
+            "drift apart in training (see unwrapped-params); if an engine copy differs, re-sync its weights.",
             tuple(sorted(ranks)),
         )
 

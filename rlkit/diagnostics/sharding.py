@@ -1,4 +1,4 @@
-"""The sharding layout of all ranks as tables: parameters, units, totals per rank, unwrapped parameters."""
+"""The sharding layout of all ranks as tables: parameters, units, totals per rank, unwrapped parameters, scaling."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pandas as pd
 from rlkit.diagnostics.inspection import RankReport
 from rlkit.diagnostics.layout import unit_label
 from rlkit.diagnostics.memory import MiB
-from rlkit.diagnostics.scaling import rank_state_bytes
+from rlkit.diagnostics.scaling import memory_scaling, rank_state_bytes
 
 
 @dataclass
@@ -25,6 +25,8 @@ class Sharding:
     """One row per rank and role (the model, then each of ``others``): tensors, MiB, dtypes, devices."""
     unwrapped: list[str]
     """Parameters no FSDP unit manages: every rank holds them whole."""
+    scaling: pd.DataFrame
+    """Per-rank training state against the ideal 1/N of the whole model (see :func:`memory_scaling`)."""
 
     def to_pandas(self) -> pd.DataFrame:
         return self.params
@@ -34,7 +36,7 @@ def sharding(reports: Sequence[RankReport]) -> Sharding:
     """Combine :func:`rlkit.diagnostics.inspect` reports (one per rank) into tables."""
     params = pd.DataFrame([{"rank": r.rank, **asdict(p)} for r in reports for p in r.params])
     return Sharding(params=params, units=_units(reports), totals=_totals(reports),
-                    unwrapped=[p.name for p in reports[0].params if p.unit is None])
+                    unwrapped=[p.name for p in reports[0].params if p.unit is None], scaling=memory_scaling(reports))
 
 
 def _units(reports: Sequence[RankReport]) -> pd.DataFrame:
