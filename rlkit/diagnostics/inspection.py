@@ -11,6 +11,7 @@ workers) and combine the per-rank reports on one process with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -170,7 +171,7 @@ def inspect(
         params=[_param_info(p, state_bytes) for p in layout.params],
         buffers=buffers,
         blocks=_blocks(model),
-        optimizer=None if optimizer is None else _optimizer_info(optimizer, model, layout, state_bytes),
+        optimizer=None if optimizer is None else _optimizer_info(optimizer, model, state_bytes),
         scaler=bool(scaler is not None and getattr(scaler, "is_enabled", lambda: True)()),
         holdings=[_holding("model", layout)],
     )
@@ -214,16 +215,9 @@ def _unit_info(unit, layout: Layout) -> UnitInfo:
         use_orig_params=unit.use_orig_params,
         device=None if unit.device is None else str(unit.device),
         params=len(mine),
-        numel=sum(_numel(p.global_shape) for p in mine),
+        numel=sum(math.prod(p.global_shape) for p in mine),
         local_bytes=storage_bytes(unit.storage),
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _param_info(param: Param, state_bytes: dict[int, int]) -> ParamInfo:
@@ -273,24 +267,18 @@ def _param_state_bytes(param: Param, local: torch.Tensor, state_bytes: dict[int,
     return 0
 
 
-def _optimizer_info(optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout, state_bytes) -> OptimizerInfo:
+def _optimizer_info(optimizer: torch.optim.Optimizer, model: nn.Module, state_bytes: dict[int, int]) -> OptimizerInfo:
     in_model = {id(p) for p in model.parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    held_ids = {id(p) for p in held}
-    foreign = [p for p in held if id(p) not in in_model]
+    held = [(i, p) for i, group in enumerate(optimizer.param_groups) for p in group["params"]]
+    held_ids = {id(p) for _, p in held}
+    foreign = [(i, p) for i, p in held if id(p) not in in_model]
     return OptimizerInfo(
         groups=len(optimizer.param_groups),
         tensors=len(held),
-        foreign=[TensorInfo(name=f"param_groups[{_group_of(optimizer, p)}]", **_describe(p)) for p in foreign],
-        foreign_state_bytes=sum(state_bytes.get(id(p), 0) for p in foreign),
-        missing=[
-            clean_name(n) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held_ids
-        ],
+        foreign=[TensorInfo(name=f"param_groups[{i}]", **_describe(p)) for i, p in foreign],
+        foreign_state_bytes=sum(state_bytes.get(id(p), 0) for _, p in foreign),
+        missing=[clean_name(n) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held_ids],
     )
-
-
-def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
-    return next(i for i, g in enumerate(optimizer.param_groups) if any(p is param for p in g["params"]))
 
 
 def _majority_device(model: nn.Module) -> torch.device:

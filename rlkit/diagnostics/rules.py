@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -34,13 +35,6 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def optimizer_before_wrap(r: RankReport) -> Iterator[Raw]:
     opt = r.optimizer
     if opt is None:
@@ -67,7 +61,7 @@ def optimizer_before_wrap(r: RankReport) -> Iterator[Raw]:
 
 
 def one_giant_unit(r: RankReport) -> Iterator[Raw]:
-    total = sum(_numel(p.global_shape) for p in r.params) or 1
+    total = sum(math.prod(p.global_shape) for p in r.params) or 1
     for unit in r.units:
         inside = [b for b in r.blocks if any(p.unit == unit.name and p.name.startswith(b + ".") for p in r.params)]
         share = unit.numel / total
@@ -216,8 +210,8 @@ def unwrapped_params(r: RankReport) -> Iterator[Raw]:
         return
     loose = [p for p in r.params if p.unit is None]
     if loose:
-        total = sum(_numel(p.global_shape) for p in r.params) or 1
-        share = sum(_numel(p.global_shape) for p in loose) / total
+        total = sum(math.prod(p.global_shape) for p in r.params) or 1
+        share = sum(math.prod(p.global_shape) for p in loose) / total
         trainable = [p for p in loose if p.requires_grad]
         yield Raw(
             "unwrapped-params", "error" if trainable else "warning",
