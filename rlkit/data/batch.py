@@ -30,6 +30,8 @@ class Batch:
     """[B, T] float32 log-probs of the sampled tokens under the rollout engine."""
     group: torch.Tensor
     """[B] int64, the prompt index within the step (samples of one prompt share it)."""
+    rank: torch.Tensor | None = None
+    """[B] int64, the rank that generated each sample (None when not known)."""
     finish_reason: list[str]
     """B values, "stop" (end-of-text emitted) or "length" (hit max_new_tokens)."""
     fields: dict[str, list] = field(default_factory=dict)
@@ -108,6 +110,7 @@ class Batch:
         lengths = self.response_lengths
         columns: dict[str, list] = {
             "group": self.group.tolist(),
+            **({} if self.rank is None else {"rank": self.rank.tolist()}),
             "prompt": self.prompts,
             "completion": self.completions,
             "length": lengths.tolist(),
@@ -125,5 +128,7 @@ class Batch:
         gap = self.logprob_gap()
         if gap is not None:
             columns["logprob_gap_max"] = gap.tolist()
+            tokens = (self.logprobs - self.rollout_logprobs).abs() * self.response_mask
+            columns["logprob_gap_mean"] = (tokens.sum(1) / lengths.clamp(min=1)).tolist()
         return pd.DataFrame(columns)
 

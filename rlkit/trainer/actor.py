@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlkit.algos import clipped_policy_loss, kl_estimate
 from rlkit.config import GRPOConfig
+from rlkit.diagnostics import GradReport, MemoryTracker, grad_report
 from rlkit.fsdp import apply_fsdp, clip_grad_norm
 from rlkit.models.logprobs import response_logprobs
 from rlkit.trainer.optim import build_optimizer
@@ -43,6 +46,10 @@ class Actor:
         self.world_size = dist.get_world_size()
         total = config.steps * config.ppo_epochs * config.mini_batches
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), config.optim, total)
+        self.memory: MemoryTracker | None = None
+        """Set by the owner to take memory marks after forward/backward and after the optimizer step."""
+        self.grads: GradReport | None = None
+        """The last optimizer step's gradient report (per-unit local norms before clipping, global norm)."""
 
     @property
     def device(self) -> torch.device:
@@ -81,10 +88,18 @@ class Actor:
             sums[:4] += stats
         sums[0] *= scale / self.world_size
         sums[4] = 1.0
+        self._mark("forward_backward")
+        grads = grad_report(self.model)
         norm = clip_grad_norm(self.model, cfg.optim.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
+        self._mark("optimizer_step")
+        self.grads = replace(grads, global_norm=norm)
         return sums, norm
+
+    def _mark(self, phase: str) -> None:
+        if self.memory is not None:
+            self.memory.mark(phase)
 
     def _micro_loss(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed per-token loss of one micro-batch and [4] stat sums (loss, clipped, kl, tokens)."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from rlkit.config import GRPOConfig
+from rlkit.diagnostics import MemoryTracker
 from rlkit.diagnostics.memory import memory_mb
 from rlkit.fsdp import apply_fsdp, build_mesh, iter_full_params, param_dtype
 from rlkit.fsdp.checkpoint import export_hf, load_sharded, save_sharded
@@ -54,6 +56,9 @@ class PolicyWorker:
             pad_token_id=tokenizer.pad_token_id,
         )
         self.times: dict[str, float] = {}
+        models = [m for m in (self.actor.model, self.reference) if m is not None]
+        self.memory = MemoryTracker(self.device, models=models, optimizers=[self.actor.optimizer], engine=self.engine.model)
+        self.actor.memory = self.memory
 
     @contextmanager
     def timed(self, phase: str):
@@ -75,6 +80,7 @@ class PolicyWorker:
             None), finish_reason, and this rank's phase times and memory.
         """
         self.times = {}
+        self.memory.reset()
         cfg = self.config
         params = SamplingParams(
             n=cfg.group_size,
@@ -86,12 +92,14 @@ class PolicyWorker:
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         with self.timed("generate"):
             gen = self.engine.generate(prompt_ids, prompt_mask, params)
+        self.memory.mark("rollout")
         input_ids = torch.cat([prompt_ids.repeat_interleave(cfg.group_size, dim=0), gen.response_ids], dim=1)
         attention_mask = torch.cat(
             [prompt_mask.repeat_interleave(cfg.group_size, dim=0), gen.response_mask.long()], dim=1
         )
         with self.timed("logprobs"):
             logprobs = self.actor.logprobs(input_ids, attention_mask)
+        self.memory.mark("actor_logprobs")
         ref_logprobs = None
         if self.reference is not None:
             with self.timed("reference"):
@@ -103,6 +111,7 @@ class PolicyWorker:
                     temperature=cfg.rollout.temperature,
                     micro=cfg.micro_batch_size,
                 )
+            self.memory.mark("reference")
         return {
             "response_ids": gen.response_ids.cpu(),
             "response_mask": gen.response_mask.cpu(),
@@ -137,9 +146,11 @@ class PolicyWorker:
                     totals += sums
                     grad_norms.append(norm)
         self.sync_engine()
+        self.memory.mark("weight_sync")
         dist.all_reduce(totals)
         stats = dict(zip(STAT_NAMES, totals.tolist()))
         steps = stats["steps"] / dist.get_world_size()
+        self.actor.grads = replace(self.actor.grads, loss=stats["loss"] / steps)
         return {
             "policy/loss": stats["loss"] / steps,
             "policy/clipfrac": stats["clipped"] / stats["tokens"],

@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from rlkit import diagnostics
 from rlkit.algos import grpo_advantages
 from rlkit.config import ConfigError, GRPOConfig
 from rlkit.data.batch import Batch
@@ -19,7 +20,7 @@ from rlkit.data.prompts import PromptSource
 from rlkit.data.rewards import RewardFn, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank
-from rlkit.trainer import checkpoints, policy_worker
+from rlkit.trainer import checkpoints, diagnose, policy_worker
 from rlkit.trainer.metrics import step_metrics
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,24 @@ class Trainer:
         log.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer
 
+    # -- diagnostics (rlkit.diagnostics on every rank, combined here) ----------------------------
+
+    def sharding(self) -> diagnostics.Sharding:
+        """How the actor is sharded (units, parameters, totals per rank; reference and engine holdings)."""
+        return diagnose.sharding(self.cluster)
+
+    def memory(self) -> pd.DataFrame:
+        """Each rank's memory at the phase boundaries of the last step, broken down by what holds it."""
+        return diagnose.memory(self.cluster)
+
+    def grad_norms(self) -> diagnostics.GradNorms:
+        """The last optimizer step's per-rank, per-unit gradient norms, the true global norm, disagreements."""
+        return diagnose.grad_norms(self.cluster)
+
+    def lint(self) -> diagnostics.Findings:
+        """FSDP lint over every rank's actor, optimizer, reference and rollout engine."""
+        return diagnose.lint(self.cluster)
+
     # -- internals ------------------------------------------------------------------------------
 
     def _tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,6 +279,7 @@ class Trainer:
             logprobs=torch.cat([r["logprobs"] for r in results]),
             ref_logprobs=None if ref[0] is None else torch.cat(ref),
             group=torch.arange(len(items)).repeat_interleave(g),
+            rank=torch.cat([torch.full((len(r["response_ids"]),), i) for i, r in enumerate(results)]),
             finish_reason=sum((r["finish_reason"] for r in results), []),
             fields=fields,
         )
