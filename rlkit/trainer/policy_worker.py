@@ -85,6 +85,7 @@ class PolicyWorker:
         params = SamplingParams(
             n=cfg.group_size,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            min_new_tokens=cfg.rollout.min_new_tokens,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             seed=seed,
