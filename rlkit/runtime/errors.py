@@ -61,6 +61,30 @@ class WorkerDied(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class WorkerHung(TimeoutError):
+    """Ranks still running a call past a timeout (``Cluster.hang_timeout`` or ``call_timeout``).
+
+    ``stacks`` maps each hung rank to its Python stacks at detection time ('' if it did not answer);
+    ``cluster_broken`` says whether the cluster had to be shut down (ranks that could not be
+    cancelled, typically blocked in a collective) or is still usable.
+    """
+
+    def __init__(self, ranks: list[int], reason: str, stacks: dict[int, str], *,
+                 cluster_broken: bool, log_dir: str = "") -> None:
+        self.ranks, self.stacks, self.cluster_broken = ranks, stacks, cluster_broken
+        lines = [f"ranks {ranks} hung: {reason}."]
+        if cluster_broken:
+            lines.append(f"They could not be cancelled, so the cluster was shut down: {RELAUNCH_HINT}")
+        else:
+            lines.append("The call was cancelled on every rank; the cluster is still usable.")
+        if log_dir:
+            lines.append(f"Worker logs: {log_dir}")
+        for rank in ranks:
+            stack = stacks.get(rank) or "(no stack: the rank did not answer)"
+            lines += ["", f"Stacks of rank {rank}:", stack.rstrip()]
+        super().__init__("\n".join(lines))
+
+
 class ClusterBroken(RuntimeError):
     """The cluster cannot take calls any more (a worker died, a call was interrupted, or it was shut down)."""
 
