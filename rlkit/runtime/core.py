@@ -117,9 +117,13 @@ class WorkerCore:
             name = names.get(ident, f"0x{ident:x}")
             if name.startswith("rlkit-"):
                 continue
-            what = " (running the call)" if ident == self._main_ident and self._running is not None else ""
+            entries = traceback.extract_stack(frame)
+            calls = [i for i, e in enumerate(entries) if e.filename == __file__ and e.name == "run_call"]
+            what = ""
+            if ident == self._main_ident and calls:
+                what, entries = " (running the call)", entries[calls[-1] + 1:]
             parts.append(f"Thread {name}{what}, most recent call last:\n"
-                         + "".join(traceback.format_stack(frame)))
+                         + "".join(traceback.format_list(entries)))
         return "\n".join(parts)
 
 

@@ -49,9 +49,10 @@ class WorkerDied(RuntimeError):
     """A worker process exited (crash, kill, out-of-memory) while the controller needed it."""
 
     def __init__(self, rank: int, pid: int, exit_code: int | None, *, during: str,
-                 log_path: str = "", log_tail: str = "", cluster_broken: bool = True) -> None:
+                 cause: str = "", log_path: str = "", log_tail: str = "",
+                 cluster_broken: bool = True) -> None:
         self.rank, self.pid, self.exit_code = rank, pid, exit_code
-        lines = [f"rank {rank} (pid {pid}) died during {during}: {describe_exit(exit_code)}."]
+        lines = [f"rank {rank} (pid {pid}) died during {during}: {cause or describe_exit(exit_code)}."]
         if log_tail:
             lines += [f"Last lines of {log_path}:", log_tail.rstrip()]
         elif log_path:

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(1)
     authkey = read_authkey()
     rank = int(os.environ["RANK"])
-    _configure_logging(rank)
+    configure_logging(rank)
     host, port = args.address.rsplit(":", 1)
     try:
         channel = WorkerChannel(Client((host, int(port)), authkey=authkey))
@@ -87,7 +87,7 @@ def _die_with_parent() -> None:
             logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
 
 
-def _configure_logging(rank: int) -> None:
+def configure_logging(rank: int) -> None:
     """Log to stderr (which the controller forwards as ``[rank N] ...``); every record gets a
     ``rank`` attribute. rlkit's own level comes from RLKIT_LOG_LEVEL (default INFO)."""
     make_record = logging.getLogRecordFactory()
