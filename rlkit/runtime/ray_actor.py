@@ -108,10 +108,11 @@ class RayWorker:
         threading.Thread(target=self._control, name="rlkit-control", daemon=True).start()
 
     def info(self) -> dict[str, Any]:
-        """Where this actor runs."""
-        return {"pid": os.getpid(), "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
-                "node": ray.get_runtime_context().get_node_id(), "log": self._output.path,
-                "cuda_devices": torch.cuda.device_count()}
+        """Where this actor runs; "ip" is the address its Ray node advertises."""
+        node = ray.get_runtime_context().get_node_id()
+        ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
+        return {"pid": os.getpid(), "host": socket.gethostname(), "ip": ip, "node": node,
+                "log": self._output.path, "cuda_devices": torch.cuda.device_count()}
 
     def free_port(self) -> int:
         with socket.socket() as sock:

@@ -6,9 +6,11 @@ as few nodes as possible); torch.distributed rendezvous at rank 0's node. Calls 
 travel through Ray's object store: each distinct tensor of a call is one object (stored once
 however many ranks receive it), read without copying by the workers on its node.
 
-Connecting: ``address=None`` starts a Ray instance on this machine that advertises only loopback
-(``127.0.0.1``) and has no dashboard; ``"auto"`` joins the Ray cluster this machine belongs to;
-``"ray://HOST:PORT"`` is Ray client. If Ray is already initialised in this process, it is used
+Connecting: ``address=None`` starts a single-node Ray instance on this machine, without dashboard;
+``"auto"`` joins the Ray cluster this machine belongs to; ``"ray://HOST:PORT"`` is Ray client.
+Ray (2.60) cannot be confined to loopback: it replaces a loopback node address by the machine's
+and its servers listen on every interface; its token authentication (on by default) refuses
+peers without the cluster's token. Keep Ray's ports behind a firewall on shared networks. If Ray is already initialised in this process, it is used
 as it is. Shutting the cluster down kills the actors and removes the placement group; Ray itself
 keeps running (``ray.shutdown()`` stops an instance this process started).
 """
@@ -253,6 +255,6 @@ def _init_ray(address: str | None, world_size: int) -> None:
         return
     if address is None:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size),
-                 include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+                 include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)
