@@ -78,6 +78,11 @@ def test_launch_rejects_bad_arguments():
         launch(2, device="tpu")
     with pytest.raises(ValueError, match="world_size"):
         launch(0)
+    with pytest.raises(ValueError) as info:  # every problem at once
+        launch(2, address="auto", hang_timeout=0, call_timeout=-1.0)
+    assert "address='auto' is for backend='ray'" in str(info.value)
+    assert "hang_timeout must be positive seconds, got 0" in str(info.value)
+    assert "call_timeout must be positive seconds, got -1.0" in str(info.value)
 
 
 @pytest.mark.timeout(10)
@@ -307,6 +312,25 @@ def test_keyboard_interrupt_cancels_the_call_quickly_and_cluster_stays_usable(cl
         return t.item()
 
     assert cluster.run(all_reduce) == [3.0, 3.0]
+
+
+@pytest.mark.timeout(60)
+def test_call_timeout_cancels_a_slow_call_and_cluster_stays_usable(cluster):
+    cluster.call_timeout = 1.0
+
+    def slow():
+        time.sleep(30)
+
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerHung, match="cancelled on every rank; the cluster is still usable") as info:
+            cluster.run(slow)
+        assert time.monotonic() - start < 1.0 + 5
+        assert info.value.ranks == [0, 1] and not info.value.cluster_broken
+        assert all("in slow\n    time.sleep(30)" in info.value.stacks[r] for r in (0, 1))
+    finally:
+        cluster.call_timeout = None
+    assert cluster.run(lambda: "ok") == ["ok", "ok"]
 
 
 # -- tests that break their cluster ------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import os
 import tempfile
@@ -80,6 +81,8 @@ def _check(world_size: int, backend: str, device: str, address: str | None,
     problems = []
     if backend not in BACKENDS:
         problems.append(f"backend={backend!r}: valid backends are {', '.join(map(repr, BACKENDS))}")
+    elif backend == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("backend='ray' needs Ray: pip install 'rlkit[ray]'")
     if device not in DEVICES:
         problems.append(f"device={device!r}: valid devices are {', '.join(map(repr, DEVICES))}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

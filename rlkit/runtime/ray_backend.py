@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -168,6 +168,10 @@ class RayBackend:
             self._dead[rank] = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             self.output.close(rank)
             return None
+        except RayError as exc:  # Ray could not run or return the call (e.g. an object was lost)
+            return rank, self._call_id, False, RankFailure(
+                rank, self._infos[rank]["host"], self._devices[rank], type(exc).__name__, str(exc),
+                traceback.format_exc())
         self.output.feed(rank, lines)
         return rank, self._call_id, ok, self._decode(rank, ok, reply)
 
