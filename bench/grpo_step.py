@@ -25,15 +25,7 @@ from pathlib import Path
 import rlkit
 from rlkit.models.tiny import TINY_MODEL_DIR
 
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
-}
-PEAK_BF16_FLOPS = 989e12
+from shapes import PEAK_BF16_FLOPS, SHAPES
 
 
 def build_model_dir(shape: str, root: Path) -> Path:

@@ -23,6 +23,13 @@ from pathlib import Path
 from grpo_step import build_model_dir, random_rewards
 
 
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class StepTimer:
     """A transformers TrainerCallback recording wall seconds per optimizer step."""
 
@@ -31,15 +38,11 @@ class StepTimer:
         self._start = None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        import torch
-
-        torch.cuda.synchronize()
+        _sync()
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        import torch
-
-        torch.cuda.synchronize()
+        _sync()
         self.times.append(time.perf_counter() - self._start)
 
     def __getattr__(self, name):  # every other callback event: do nothing
@@ -83,7 +86,8 @@ def main() -> None:
         temperature=1.0,
         beta=args.beta,
         learning_rate=1e-6,
-        bf16=True,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
         max_steps=args.steps,
         logging_steps=1,
         report_to=[],
@@ -108,7 +112,7 @@ def main() -> None:
     figures = {
         "step_s": step,
         "steps_s": timer.times,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
         "log_keys": sorted({k for r in logs for k in r}),
     }
     print(f"TRL GRPO step: {args.shape}, {args.prompts}x{args.group} completions of {args.response_len} tokens, "
