@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,7 +84,11 @@ class Critic:
 
     def _micro_loss(self, micro: dict[str, torch.Tensor], weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
-        values = response_values(self.model, micro["input_ids"], micro["attention_mask"], cfg.rollout.max_new_tokens)
+        with warnings.catch_warnings():
+            # the head is a Linear with bias, whose output on [B, L, H] is a view; FSDP2 warns against
+            # in-place ops on it, and none are done here
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            values = response_values(self.model, micro["input_ids"], micro["attention_mask"], cfg.rollout.max_new_tokens)
         per_token, clipped = clipped_value_loss(
             values, micro["values"], micro["returns"], cfg.critic.value_clip or None
         )
