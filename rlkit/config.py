@@ -388,7 +388,9 @@ class RLConfig:
         data = dict(data)
         algorithm = data.pop("algorithm", cls.algorithm)
         if algorithm != cls.algorithm:
-            raise ConfigError([f'algorithm="{algorithm}" given to {cls.__name__}: use rlkit.config.config_from_dict'])
+            raise ConfigError(
+                [f'algorithm="{algorithm}" given to {cls.__name__}: use rlkit.config.config_from_dict (or config_from_toml)']
+            )
         return _from_dict(cls, data, "")
 
     @classmethod
@@ -443,7 +445,8 @@ class PPOConfig(RLConfig):
         _need(
             p,
             self.advantage == "gae",
-            f'advantage="{self.advantage}": PPOConfig trains a critic for "gae"; use rlkit.GRPOConfig for critic-free estimators',
+            f'advantage="{self.advantage}": PPOConfig trains a critic for "gae"; '
+            "use rlkit.GRPOConfig for critic-free estimators",
         )
         return p + self.critic.problems()
 

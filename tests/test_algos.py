@@ -301,7 +301,8 @@ def test_dual_clip_caps_negative_advantages():
 
 def test_policy_loss_vectorised_matches_loop_reference():
     gen = torch.Generator().manual_seed(10)
-    logp, old, adv = torch.randn(6, 5, generator=gen) * 0.5, torch.randn(6, 5, generator=gen) * 0.5, torch.randn(6, 5, generator=gen)
+    logp, old = torch.randn(6, 5, generator=gen) * 0.5, torch.randn(6, 5, generator=gen) * 0.5
+    adv = torch.randn(6, 5, generator=gen)
     loss, clipped = clipped_policy_loss(logp, old, adv, 0.2, clip_high=0.3, dual_clip=2.0)
     for b in range(6):
         for t in range(5):

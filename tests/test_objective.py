@@ -36,8 +36,9 @@ def make_batch(n: int = 8) -> dict[str, torch.Tensor]:
     }
 
 
-def config(mode: str, micro: int) -> rlkit.PPOConfig:
+def config(mode: str, micro: int, fsdp_version: int = 2) -> rlkit.PPOConfig:
     return rlkit.PPOConfig(
+        fsdp=rlkit.FSDPConfig(version=fsdp_version),
         prompts_per_step=8, micro_batch_size=micro, loss_agg=mode, clip_eps=0.2, clip_high=0.28, dual_clip=3.0,
         kl_coef=0.05, kl_mode="loss", kl_estimator="k2", entropy_coef=0.01,
         rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH, temperature=TEMPERATURE),
@@ -131,7 +132,8 @@ def test_custom_policy_loss_with_wrong_shape_is_named():
     batch = make_batch()
     micro = {k: batch[k] for k in ("response_mask", "logprobs", "advantages")}
     objective = PolicyObjective(config("token-mean", 8), per_sequence)
-    with pytest.raises(ValueError, match=r"policy_loss_fn 'per_sequence' must return \(loss, clipped\).*got \(\[8\], \[8\]\)"):
+    expected = r"policy_loss_fn 'per_sequence' must return \(loss, clipped\).*got \(\[8\], \[8\]\)"
+    with pytest.raises(ValueError, match=expected):
         objective(torch.zeros(8, WIDTH), torch.zeros(8, WIDTH), micro, torch.ones(8, WIDTH))
 
 
@@ -158,7 +160,7 @@ def critic_reference(model_dir) -> tuple[torch.Tensor, float, dict[str, torch.Te
     return rollout_values, loss.item(), {k: v.detach() for k, v in model.named_parameters()}
 
 
-def sharded_critic(model_dir: str, micro: int) -> dict:
+def sharded_critic(model_dir: str, micro: int, fsdp_version: int) -> dict:
     """On a worker: rlkit's Critic on this rank's half: its values, one train step, the gathered weights."""
     import torch.distributed as dist
 
@@ -167,25 +169,27 @@ def sharded_critic(model_dir: str, micro: int) -> dict:
     from rlkit.trainer.critic import CRITIC_STATS, Critic
 
     ctx = context()
-    critic = Critic(config("token-mean", micro), model_dir)
+    critic = Critic(config("token-mean", micro, fsdp_version), model_dir)
     shard = {k: v[ctx.rank * 4 : (ctx.rank + 1) * 4] for k, v in make_batch().items()}
     values = critic.values(shard["input_ids"], shard["attention_mask"])
     keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
     sums, _ = critic.train_step({k: shard[k] for k in keys})
     dist.all_reduce(sums)
-    return {"values": values, "stats": dict(zip(CRITIC_STATS, sums.tolist())), "weights": dict(iter_full_params(critic.model))}
+    stats = dict(zip(CRITIC_STATS, sums.tolist()))
+    return {"values": values, "stats": stats, "weights": dict(iter_full_params(critic.model))}
 
 
 @pytest.mark.timeout(180)
-def test_critic_values_and_update_match_reference(cluster, tmp_path):
+@pytest.mark.parametrize("fsdp_version", [2, 1])
+def test_critic_values_and_update_match_reference(cluster, tmp_path, fsdp_version):
     save_small_model(tmp_path)
     ref_values, ref_loss, ref_weights = critic_reference(tmp_path)
     for micro in (4, 1):
-        results = cluster.run(sharded_critic, str(tmp_path), micro)
+        results = cluster.run(sharded_critic, str(tmp_path), micro, fsdp_version)
         mask = make_batch()["response_mask"]
         values = torch.cat([r["values"] for r in results])
         torch.testing.assert_close(values * mask, ref_values * mask, rtol=1e-5, atol=1e-6)
         for rank, result in enumerate(results):
             assert result["stats"]["loss"] == pytest.approx(ref_loss, rel=1e-5), f"micro={micro} rank={rank}"
             assert 0 < result["stats"]["clipped"] < mask.sum().item()
-            assert_weights_close(result["weights"], ref_weights, f"critic micro={micro} rank={rank}")
+            assert_weights_close(result["weights"], ref_weights, f"critic fsdp{fsdp_version} micro={micro} rank={rank}")

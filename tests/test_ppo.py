@@ -64,7 +64,8 @@ def test_ppo_phases_and_critic_resume(cluster, tmp_path):
     # returns - values are GAE's raw advantages; the advantages are the same, whitened over the batch
     raw = (batch.returns - batch.values) * mask
     valid = mask > 0
-    torch.testing.assert_close(batch.advantages[valid], ((raw[valid] - raw[valid].mean()) / raw[valid].std()), rtol=1e-4, atol=1e-5)
+    whitened = (raw[valid] - raw[valid].mean()) / raw[valid].std()
+    torch.testing.assert_close(batch.advantages[valid], whitened, rtol=1e-4, atol=1e-5)
     # kl_mode="reward": every token's reward carries -kl_coef * KL(policy || reference), the last one the outcome too
     from rlkit.trainer.estimate import advantage_inputs
 

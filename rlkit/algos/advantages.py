@@ -190,7 +190,9 @@ GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}"
+        )
     return rewards.float().view(-1, group_size)
 
 

@@ -51,7 +51,9 @@ def batch_counts(response_mask: torch.Tensor) -> tuple[float, float]:
     return float(mask.sum()), float(mask.any(dim=1).sum())
 
 
-def aggregate_loss(per_token: torch.Tensor, response_mask: torch.Tensor, mode: str, *, horizon: int | None = None) -> torch.Tensor:
+def aggregate_loss(
+    per_token: torch.Tensor, response_mask: torch.Tensor, mode: str, *, horizon: int | None = None
+) -> torch.Tensor:
     """One scalar from a whole batch's [B, T] per-token loss; ``horizon`` defaults to T."""
     tokens, seqs = batch_counts(response_mask)
     weights = loss_weights(response_mask, mode, num_tokens=tokens, num_seqs=seqs, horizon=horizon or per_token.shape[1])

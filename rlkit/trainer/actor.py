@@ -37,7 +37,9 @@ class Actor:
     :mod:`rlkit.trainer.accumulate`).
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, config: RLConfig, policy_loss_fn: PolicyLossFn | None = None):
+    def __init__(
+        self, model: torch.nn.Module, mesh: DeviceMesh, config: RLConfig, policy_loss_fn: PolicyLossFn | None = None
+    ):
         self.config = config
         self.model = apply_fsdp(model, mesh, config.fsdp)
         self.world_size = dist.get_world_size()
