@@ -161,3 +161,23 @@ def test_reward_errors_name_function_and_sample_and_lose_nothing(cluster):
     row = trainer.step(trainer.last_batch)
     assert trainer.last_batch is batch and row["step"] == 1 and len(trainer.history) == 1
     torch.testing.assert_close(batch.advantages, rloo_advantages(batch.rewards, 4).unsqueeze(1) * batch.response_mask)
+
+
+@pytest.mark.timeout(200)
+def test_grpo_family_settings_run_through_the_trainer(cluster):
+    from rlkit.algos import compute_advantages
+    from rlkit.trainer.estimate import advantage_inputs
+
+    config = rlkit.GRPOConfig(
+        model="tiny", seed=2, prompts_per_step=4, group_size=2, advantage="reinforce++", gamma=0.9,
+        kl_coef=0.05, kl_mode="reward", kl_estimator="k1", loss_agg="seq-mean-token-sum",
+        clip_high=0.28, dual_clip=3.0, entropy_coef=0.01, ppo_epochs=2, rollout=ROLLOUT, optim=rlkit.OptimConfig(lr=1e-3),
+    )
+    trainer = rlkit.Trainer(cluster, config)
+    trainer.step()
+    row = trainer.step()
+    batch = trainer.last_batch
+    expected, returns = compute_advantages("reinforce++", advantage_inputs(batch, config))
+    assert torch.equal(batch.advantages, expected) and torch.equal(batch.returns, returns)
+    assert row["kl/mean"] > 0 and row["policy/kl_loss"] == 0.0  # the KL is in the reward, not the loss
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in row.items() if k.startswith(("policy/", "grad/")))
