@@ -27,8 +27,13 @@ def response_logits(
         attention_mask: [B, P + T].
         response_width: T.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
-    return out.logits[:, -response_width - 1 : -1]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_for(attention_mask),
+        logits_to_keep=response_width + 1,  # the LM head runs on the response positions only
+    )
+    return out.logits[:, :-1]
 
 
 def response_logprobs(
