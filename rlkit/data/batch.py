@@ -44,8 +44,12 @@ class Batch:
     """[B] float32 total reward (weighted sum of reward_terms)."""
     reward_terms: dict[str, torch.Tensor] = field(default_factory=dict)
     """Each reward function's [B] float32 output, by name."""
+    values: torch.Tensor | None = None
+    """[B, T] float32 critic values V(s_t) at rollout time (PPO only)."""
     advantages: torch.Tensor | None = None
-    """[B] float32 per-sequence advantages."""
+    """[B, T] float32 per-token advantages, 0 where response_mask is 0."""
+    returns: torch.Tensor | None = None
+    """[B, T] float32 the critic's targets (GAE returns; equal to the advantages for critic-free estimators)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -121,8 +125,10 @@ class Batch:
             columns[f"reward/{name}"] = values.tolist()
         if self.rewards is not None:
             columns["reward"] = self.rewards.tolist()
+        if self.values is not None:
+            columns["value"] = self.values[:, 0].tolist()
         if self.advantages is not None:
-            columns["advantage"] = self.advantages.tolist()
+            columns["advantage"] = ((self.advantages * self.response_mask).sum(1) / lengths.clamp(min=1)).tolist()
         mean_lp = (self.rollout_logprobs * self.response_mask).sum(1) / lengths.clamp(min=1)
         columns["rollout_logprob_mean"] = mean_lp.tolist()
         gap = self.logprob_gap()

@@ -8,20 +8,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlkit.algos import clipped_policy_loss, kl_estimate
-from rlkit.config import GRPOConfig
+from rlkit.algos import entropy_from_logits
+from rlkit.config import RLConfig
 from rlkit.diagnostics import GradReport, MemoryTracker, grad_report
-from rlkit.fsdp import apply_fsdp, clip_grad_norm
-from rlkit.models.logprobs import response_logprobs
+from rlkit.fsdp import apply_fsdp
+from rlkit.models.logprobs import response_logits, response_logprobs, token_logprobs
+from rlkit.trainer.accumulate import accumulated_step
+from rlkit.trainer.objective import STAT_NAMES, PolicyLossFn, PolicyObjective
 from rlkit.trainer.optim import build_optimizer
 
-STAT_NAMES = ("loss", "clipped", "kl", "tokens", "steps")
-"""The sums :meth:`Actor.train_step` returns, in order."""
+__all__ = ["STAT_NAMES", "Actor", "batched_logprobs"]
 
 
 @torch.no_grad()
 def batched_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GRPOConfig
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: RLConfig
 ) -> torch.Tensor:
     """[B, T] response log-probs in micro-batches of ``config.micro_batch_size`` rows. Shapes: [B, P + T] in."""
     micro, width, temperature = config.micro_batch_size, config.rollout.max_new_tokens, config.rollout.temperature
@@ -33,24 +34,27 @@ def batched_logprobs(
 
 
 class Actor:
-    """FSDP-sharded policy with AdamW (built after wrapping) and an LR schedule.
+    """FSDP-sharded policy with AdamW (built after wrapping), an LR schedule and its objective.
 
-    :meth:`train_step` computes a token-mean loss over the whole mini-batch across
-    all ranks, whatever the micro-batch size: each micro-batch's token sum is
-    divided by the global token count and multiplied by the world size, since
-    FSDP averages gradients over ranks.
+    :meth:`train_step` computes the loss of the whole mini-batch across all ranks in
+    the config's aggregation mode, whatever the micro-batch size (see
+    :mod:`rlkit.trainer.accumulate`).
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, config: GRPOConfig):
+    def __init__(
+        self, model: torch.nn.Module, mesh: DeviceMesh, config: RLConfig, policy_loss_fn: PolicyLossFn | None = None
+    ):
         self.config = config
         self.model = apply_fsdp(model, mesh, config.fsdp)
         self.world_size = dist.get_world_size()
         total = config.steps * config.ppo_epochs * config.mini_batches
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), config.optim, total)
+        self.objective = PolicyObjective(config, policy_loss_fn)
         self.memory: MemoryTracker | None = None
         """Set by the owner to take memory marks after forward/backward and after the optimizer step."""
         self.grads: GradReport | None = None
         """The last optimizer step's gradient report (per-unit local norms before clipping, global norm)."""
+        self._unclipped: GradReport | None = None
 
     @property
     def device(self) -> torch.device:
@@ -64,48 +68,43 @@ class Actor:
 
         Args:
             mini: input_ids, attention_mask [n, P + T]; response_mask, logprobs (old), and optionally
-                ref_logprobs [n, T]; advantages [n].
+                ref_logprobs [n, T]; advantages [n] or [n, T].
         Returns:
-            [5] float64 sums on this rank (see STAT_NAMES) and the true global gradient norm.
+            [7] float64 sums on this rank (see STAT_NAMES) and the true global gradient norm.
         """
         cfg = self.config
-        tokens = mini["response_mask"].sum().to(torch.float64)
-        dist.all_reduce(tokens)
-        scale = self.world_size / tokens.clamp(min=1).item()
-        sums = torch.zeros(len(STAT_NAMES), dtype=torch.float64, device=self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        for i in range(0, mini["input_ids"].shape[0], cfg.micro_batch_size):
-            micro = {k: v[i : i + cfg.micro_batch_size] for k, v in mini.items()}
-            loss_sum, stats = self._micro_loss(micro)
-            (loss_sum * scale).backward()
-            sums[:4] += stats
-        sums[0] *= scale / self.world_size
-        sums[4] = 1.0
-        self._mark("forward_backward")
-        grads = grad_report(self.model)
-        norm = clip_grad_norm(self.model, cfg.optim.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        sums, norm = accumulated_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            mini,
+            micro_loss=self._micro_loss,
+            num_stats=len(STAT_NAMES) - 1,
+            micro_batch_size=cfg.micro_batch_size,
+            loss_agg=cfg.loss_agg,
+            horizon=cfg.rollout.max_new_tokens,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            before_clip=self._before_clip,
+        )
         self._mark("optimizer_step")
-        self.grads = replace(grads, global_norm=norm)
+        self.grads = replace(self._unclipped, global_norm=norm)
         return sums, norm
+
+    def _before_clip(self) -> None:
+        """After forward/backward: a memory mark and the per-unit gradient norms before clipping."""
+        self._mark("forward_backward")
+        self._unclipped = grad_report(self.model)
 
     def _mark(self, phase: str) -> None:
         if self.memory is not None:
             self.memory.mark(phase)
 
-    def _micro_loss(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed per-token loss of one micro-batch and [4] stat sums (loss, clipped, kl, tokens)."""
+    def _micro_loss(self, micro: dict[str, torch.Tensor], weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's share of the loss (weights: [b, T]) and its stat sums."""
         cfg = self.config
-        mask = micro["response_mask"]
-        logp = response_logprobs(
-            self.model, micro["input_ids"], micro["attention_mask"], cfg.rollout.max_new_tokens, cfg.rollout.temperature
-        )
-        per_token, clipped = clipped_policy_loss(logp, micro["logprobs"], micro["advantages"], cfg.clip_eps)
-        kl = torch.zeros_like(per_token)
-        if "ref_logprobs" in micro:
-            kl = kl_estimate(logp, micro["ref_logprobs"], "k3")
-            per_token = per_token + cfg.kl_coef * kl
-        loss_sum = (per_token * mask).sum()
-        stats = torch.stack([loss_sum, (clipped * mask).sum(), (kl * mask).sum(), mask.sum()]).detach()
-        return loss_sum, stats.to(torch.float64)
+        width = cfg.rollout.max_new_tokens
+        logits = response_logits(self.model, micro["input_ids"], micro["attention_mask"], width).float()
+        logits = logits / cfg.rollout.temperature
+        logprobs = token_logprobs(logits, micro["input_ids"][:, -width:], 1.0)
+        entropy = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach())
+        return self.objective(logprobs, entropy, micro, weights)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlkit.config import GRPOConfig
+from rlkit.config import RLConfig, config_from_dict
 from rlkit.diagnostics import MemoryTracker
 from rlkit.diagnostics.memory import memory_mb
 from rlkit.fsdp import apply_fsdp, build_mesh, iter_full_params, param_dtype
@@ -26,6 +26,7 @@ from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.rollout import HFEngine, SamplingParams
 from rlkit.runtime import context
 from rlkit.trainer.actor import STAT_NAMES, Actor, batched_logprobs
+from rlkit.trainer.objective import PolicyLossFn, policy_metrics
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ STATE_KEY = "rlkit.policy_worker"
 class PolicyWorker:
     """One rank's share of the policy: sharded actor + optimizer, sharded reference, whole rollout engine."""
 
-    def __init__(self, config: GRPOConfig, model_dir: Path):
+    def __init__(self, config: RLConfig, model_dir: Path, policy_loss_fn: PolicyLossFn | None = None):
         ctx = context()
         self.config = config
         self.model_dir = model_dir
@@ -45,7 +46,7 @@ class PolicyWorker:
         mesh = build_mesh(self.device.type, ctx.world_size, config.fsdp)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         load = dict(device=self.device, trust_remote_code=config.trust_remote_code)
-        self.actor = Actor(load_causal_lm(model_dir, dtype=torch.float32, **load), mesh, config)
+        self.actor = Actor(load_causal_lm(model_dir, dtype=torch.float32, **load), mesh, config, policy_loss_fn)
         self.reference = None
         if config.kl_coef > 0:
             reference = load_causal_lm(model_dir, dtype=torch.float32, **load).requires_grad_(False)
@@ -122,7 +123,7 @@ class PolicyWorker:
 
         Args:
             shard: input_ids, attention_mask [n, P + T]; response_mask, logprobs (old), ref_logprobs
-                (optional) [n, T]; advantages [n].
+                (optional), advantages [n, T].
         Returns:
             global metrics (identical on every rank), this rank's grad norm, times, memory.
         """
@@ -142,13 +143,10 @@ class PolicyWorker:
         self.sync_engine()
         self.memory.mark("weight_sync")
         dist.all_reduce(totals)
-        stats = dict(zip(STAT_NAMES, totals.tolist()))
-        steps = stats["steps"] / dist.get_world_size()
-        self.actor.grads = replace(self.actor.grads, loss=stats["loss"] / steps)
+        metrics = policy_metrics(totals, dist.get_world_size())
+        self.actor.grads = replace(self.actor.grads, loss=metrics["policy/loss"])
         return {
-            "policy/loss": stats["loss"] / steps,
-            "policy/clipfrac": stats["clipped"] / stats["tokens"],
-            "kl/mean": stats["kl"] / stats["tokens"],
+            **metrics,
             "grad/norm": sum(grad_norms) / len(grad_norms),
             "optim/lr": self.actor.scheduler.get_last_lr()[0],
             "times": dict(self.times),
@@ -182,11 +180,11 @@ class PolicyWorker:
         self.sync_engine()
 
 
-def setup(config: dict, model_dir: str) -> dict[str, object]:
+def setup(config: dict, model_dir: str, policy_loss_fn: PolicyLossFn | None = None) -> dict[str, object]:
     """Build this rank's PolicyWorker (replacing any earlier one); returns what it holds."""
     ctx = context()
     ctx.state.pop(STATE_KEY, None)
-    worker = PolicyWorker(GRPOConfig.from_dict(config), Path(model_dir))
+    worker = PolicyWorker(config_from_dict(config), Path(model_dir), policy_loss_fn)
     ctx.state[STATE_KEY] = worker
     log.info("policy worker ready on %s", ctx.device)
     return {"device": str(ctx.device), "memory_mb": memory_mb(ctx.device)}
