@@ -3,7 +3,8 @@
     python bench/phase_shares.py [--steps 8] [--world-size 2] [--config configs/grpo_tiny.toml]
 
 Worker phases are the slowest rank's seconds inside the call (generate,
-logprobs, reference, update, sync); score and advantages run on the
+logprobs, reference, update, sync, and with PPO the critic's values and
+update); score and advantages run on the
 controller; overhead is everything else in the step: sending and receiving
 batches, (de)tokenising, assembling, waiting on the channel.
 """
@@ -14,8 +15,9 @@ import argparse
 import time
 
 import rlkit
+from rlkit.config import config_from_toml
 
-WORKER = ("generate", "logprobs", "reference", "update", "sync")
+WORKER = ("generate", "logprobs", "reference", "critic_values", "critic_update", "update", "sync")
 CONTROLLER = ("score", "advantages")
 
 
@@ -34,7 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
-    config = rlkit.GRPOConfig.from_toml(args.config)
+    config = config_from_toml(args.config)
     start = time.perf_counter()
     with rlkit.launch(world_size=args.world_size) as cluster:
         launched = time.perf_counter() - start

@@ -5,17 +5,31 @@
     trainer.fit(steps=20)
 """
 
-from rlkit.config import ConfigError, FSDPConfig, GRPOConfig, OptimConfig, RolloutConfig
+from rlkit.config import (
+    CheckpointConfig,
+    ConfigError,
+    CriticConfig,
+    FSDPConfig,
+    GRPOConfig,
+    OptimConfig,
+    PPOConfig,
+    RewardModelConfig,
+    RolloutConfig,
+)
 from rlkit.runtime import launch
 from rlkit.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
+    "CriticConfig",
     "FSDPConfig",
     "GRPOConfig",
     "OptimConfig",
+    "PPOConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "Trainer",
     "launch",

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlkit.config import ConfigError, GRPOConfig
+from rlkit.config import ConfigError, GRPOConfig, config_from_toml
+from rlkit.trainer.metrics import PHASES
 
 HEADER = f"{'step':>4} {'reward':>7} {'kl':>8} {'len':>5} {'tok/s':>7} {'mem/rank MiB':>14}  phase seconds"
 
@@ -20,12 +21,11 @@ def format_step(row: dict) -> str:
     cuda = [k for k in sorted(row) if k.startswith("memory/rank") and k.endswith("peak_mb")]
     if cuda:
         memory = "/".join(f"{row[k]:.0f}" for k in cuda)
-    phases = " ".join(
-        f"{k.split('/')[-1]}={row[k]:.2f}" for k in row if k.startswith("time/") and k != "time/step" and row[k] >= 0.005
-    )
+    phases = " ".join(f"{p}={row[f'time/{p}']:.2f}" for p in PHASES)
+    inner = " ".join(f"{k.split('/')[-1]}={row[k]:.2f}" for k in row if k.startswith("time/worker/"))
     return (
         f"{row['step']:>4} {row['reward/mean']:>7.3f} {row['kl/mean']:>8.4f} {row['response/length/mean']:>5.1f} "
-        f"{row['perf/tokens_per_s']:>7.0f} {memory:>14}  {phases}"
+        f"{row['perf/tokens_per_s']:>7.0f} {memory:>14}  {phases} (workers: {inner})"
     )
 
 
@@ -34,14 +34,14 @@ def train(args: argparse.Namespace) -> int:
     from rlkit.report import write_report
 
     try:
-        config = GRPOConfig.from_toml(args.config) if args.config else GRPOConfig()
+        config = config_from_toml(args.config) if args.config else GRPOConfig()
         if args.steps is not None:
             config = dataclasses.replace(config, steps=args.steps)
-        config.check_world_size(args.world_size)
+        config.check_cluster(args.world_size, args.device)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"rlkit: GRPO on model={config.model!r}, {args.world_size} worker(s), {config.steps} steps", flush=True)
+    print(f"rlkit: {config.algorithm.upper()} on model={config.model!r}, {args.world_size} worker(s), {config.steps} steps", flush=True)
     start = time.perf_counter()
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
         trainer = rlkit.Trainer(cluster, config)
@@ -51,7 +51,7 @@ def train(args: argparse.Namespace) -> int:
         history = trainer.history
     first, last = history["reward/mean"].head(3).mean(), history["reward/mean"].tail(3).mean()
     print(f"mean reward: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; total {time.perf_counter() - start:.0f}s")
-    report = write_report(history, args.report, title=f"rlkit GRPO: {config.model}", config=config.to_dict())
+    report = write_report(history, args.report, title=f"rlkit {config.algorithm.upper()}: {config.model}", config=config.to_dict())
     print(f"report: {report.resolve()}")
     return 0
 
@@ -59,8 +59,8 @@ def train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="run GRPO from a TOML config (default: the bundled tiny task)")
-    p.add_argument("config", nargs="?", help="TOML file mirroring rlkit.GRPOConfig; omit for the defaults")
+    p = sub.add_parser("train", help="run GRPO or PPO from a TOML config (default: GRPO on the bundled tiny task)")
+    p.add_argument("config", nargs="?", help='TOML file mirroring rlkit.GRPOConfig (algorithm = "ppo" at the top: rlkit.PPOConfig); omit for the defaults')
     p.add_argument("--world-size", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--steps", type=int, help="override config.steps")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlkit import ConfigError, GRPOConfig, RolloutConfig
+from rlkit import ConfigError, CriticConfig, GRPOConfig, OptimConfig, PPOConfig, RolloutConfig
 
 
 def test_defaults_are_valid():
@@ -21,11 +21,11 @@ def test_all_problems_reported_at_once():
 
 def test_world_size_divisibility():
     cfg = GRPOConfig(prompts_per_step=3)
-    cfg.check_world_size(1)
+    cfg.check_cluster(1)
     with pytest.raises(ConfigError, match="multiple of 2"):
-        cfg.check_world_size(2)
+        cfg.check_cluster(2)
     with pytest.raises(ConfigError, match="mini_batches=5"):
-        GRPOConfig(prompts_per_step=4, group_size=2, mini_batches=5).check_world_size(2)
+        GRPOConfig(prompts_per_step=4, group_size=2, mini_batches=5).check_cluster(2)
 
 
 def test_toml_round_trip(tmp_path):
@@ -39,3 +39,40 @@ def test_toml_round_trip(tmp_path):
 def test_unknown_setting_names_valid_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['temprature'\] in \[rollout\]"):
         GRPOConfig.from_dict({"rollout": {"temprature": 1.0}})
+
+
+def test_ppo_config_shares_settings_and_round_trips(tmp_path):
+    from rlkit.config import RLConfig, config_from_dict, config_from_toml
+
+    ppo = PPOConfig()
+    assert isinstance(ppo, RLConfig) and isinstance(GRPOConfig(), RLConfig)
+    assert (ppo.advantage, ppo.group_size, ppo.lam, ppo.kl_mode) == ("gae", 1, 0.95, "reward")
+    assert config_from_dict(ppo.to_dict()) == ppo
+    assert config_from_dict(GRPOConfig(advantage="rloo").to_dict()) == GRPOConfig(advantage="rloo")
+    path = tmp_path / "ppo.toml"
+    path.write_text('algorithm = "ppo"\nlam = 0.9\n[critic]\nvalue_clip = 0.5\n[critic.optim]\nlr = 0.002\n')
+    cfg = config_from_toml(path)
+    assert isinstance(cfg, PPOConfig) and cfg.critic == CriticConfig(value_clip=0.5, optim=OptimConfig(lr=0.002))
+    assert cfg.lam == 0.9
+    with pytest.raises(ConfigError, match='algorithm="ppo" given to GRPOConfig'):
+        GRPOConfig.from_dict(ppo.to_dict())
+
+
+def test_algorithm_settings_are_validated_together():
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(
+            advantage="gae", loss_agg="sum", clip_high=0.0, dual_clip=0.5, kl_estimator="k9", kl_mode="both",
+            gamma=1.5, entropy_coef=-0.1,
+        )
+    text = str(err.value)
+    for name in ('advantage="gae" needs a critic', 'loss_agg="sum"', "clip_high=0.0", "dual_clip=0.5",
+                 'kl_estimator="k9"', 'kl_mode="both"', "gamma=1.5", "entropy_coef=-0.1"):
+        assert name in text
+    assert len(err.value.problems) == 8
+    with pytest.raises(ConfigError) as err:
+        PPOConfig(advantage="grpo", critic=CriticConfig(value_clip=-1.0, optim=OptimConfig(lr=0.0)))
+    assert len(err.value.problems) == 4  # grpo needs groups (group_size=1), not a PPO estimator, clip, lr
+    assert "critic.optim.lr=0.0" in str(err.value) and "critic.value_clip=-1.0" in str(err.value)
+    assert GRPOConfig(advantage="reinforce++", group_size=1).group_size == 1
+    with pytest.raises(ConfigError, match='group_size=1: must be >= 2 with advantage="rloo"'):
+        GRPOConfig(advantage="rloo", group_size=1)

@@ -23,7 +23,7 @@ def full_weights(role: str) -> dict[str, torch.Tensor]:
     from rlkit.trainer.policy_worker import STATE_KEY
 
     worker = context().state[STATE_KEY]
-    model = worker.actor if role == "actor" else worker.engine.model
+    model = worker.actor.model if role == "actor" else worker.engine.model
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
@@ -48,9 +48,9 @@ def test_update_changes_every_rank_and_ranks_agree(cluster):
 
 @pytest.mark.timeout(300)
 def test_short_fit_raises_mean_reward(cluster):
-    config = rlkit.GRPOConfig(**TINY, optim=rlkit.OptimConfig(lr=5e-4))
-    history = rlkit.Trainer(cluster, config).fit(steps=15, progress=False)
-    first, last = history["reward/mean"].head(3).mean(), history["reward/mean"].tail(3).mean()
+    config = rlkit.GRPOConfig(**{**TINY, "prompts_per_step": 16}, kl_coef=0.01, optim=rlkit.OptimConfig(lr=5e-4))
+    history = rlkit.Trainer(cluster, config).fit(steps=30, progress=False)
+    first, last = history["reward/mean"].head(5).mean(), history["reward/mean"].tail(5).mean()
     assert last > first + 0.2, f"mean reward went {first:.3f} -> {last:.3f}"
     assert (history["rollout/logprob_gap/max"] < 1e-3).all(), "engine and trainer log-probs disagree"
 

@@ -28,3 +28,17 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f'estimator="{estimator}": valid estimators are {KL_ESTIMATORS}')
+
+
+def kl_reward_penalty(
+    token_rewards: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    coef: float,
+    estimator: str = "k1",
+) -> torch.Tensor:
+    """Subtract ``coef`` times the per-token KL estimate from the token rewards (the KL as a reward penalty,
+    as in InstructGPT-style PPO), before advantages are estimated. Shapes: [B, T] each; returns [B, T]."""
+    return token_rewards - coef * kl_estimate(logprobs, ref_logprobs, estimator) * (response_mask > 0)

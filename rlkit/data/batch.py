@@ -30,6 +30,8 @@ class Batch:
     """[B, T] float32 log-probs of the sampled tokens under the rollout engine."""
     group: torch.Tensor
     """[B] int64, the prompt index within the step (samples of one prompt share it)."""
+    rank: torch.Tensor | None = None
+    """[B] int64, the rank that generated each sample (None when not known)."""
     finish_reason: list[str]
     """B values, "stop" (end-of-text emitted) or "length" (hit max_new_tokens)."""
     fields: dict[str, list] = field(default_factory=dict)
@@ -42,8 +44,12 @@ class Batch:
     """[B] float32 total reward (weighted sum of reward_terms)."""
     reward_terms: dict[str, torch.Tensor] = field(default_factory=dict)
     """Each reward function's [B] float32 output, by name."""
+    values: torch.Tensor | None = None
+    """[B, T] float32 critic values V(s_t) at rollout time (PPO only)."""
     advantages: torch.Tensor | None = None
-    """[B] float32 per-sequence advantages."""
+    """[B, T] float32 per-token advantages, 0 where response_mask is 0."""
+    returns: torch.Tensor | None = None
+    """[B, T] float32 the critic's targets (GAE returns; equal to the advantages for critic-free estimators)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -108,6 +114,7 @@ class Batch:
         lengths = self.response_lengths
         columns: dict[str, list] = {
             "group": self.group.tolist(),
+            **({} if self.rank is None else {"rank": self.rank.tolist()}),
             "prompt": self.prompts,
             "completion": self.completions,
             "length": lengths.tolist(),
@@ -118,12 +125,16 @@ class Batch:
             columns[f"reward/{name}"] = values.tolist()
         if self.rewards is not None:
             columns["reward"] = self.rewards.tolist()
+        if self.values is not None:
+            columns["value"] = self.values[:, 0].tolist()
         if self.advantages is not None:
-            columns["advantage"] = self.advantages.tolist()
+            columns["advantage"] = ((self.advantages * self.response_mask).sum(1) / lengths.clamp(min=1)).tolist()
         mean_lp = (self.rollout_logprobs * self.response_mask).sum(1) / lengths.clamp(min=1)
         columns["rollout_logprob_mean"] = mean_lp.tolist()
         gap = self.logprob_gap()
         if gap is not None:
             columns["logprob_gap_max"] = gap.tolist()
+            tokens = (self.logprobs - self.rollout_logprobs).abs() * self.response_mask
+            columns["logprob_gap_mean"] = (tokens.sum(1) / lengths.clamp(min=1)).tolist()
         return pd.DataFrame(columns)
 

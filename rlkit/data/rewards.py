@@ -61,8 +61,11 @@ def compute_rewards(
 def _call(term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]) -> torch.Tensor:
     try:
         values = term.fn(prompts, completions, **fields)
+    except RewardError:
+        raise
     except Exception as exc:
-        raise RewardError(f"reward function {term.name!r} raised {type(exc).__name__}: {exc}") from exc
+        where = _failing_sample(term, prompts, completions, fields)
+        raise RewardError(f"reward function {term.name!r} raised {type(exc).__name__}: {exc}{where}") from exc
     try:
         values = list(values)
     except TypeError:
@@ -76,3 +79,13 @@ def _call(term: WeightedReward, prompts: list[str], completions: list[str], fiel
                 f"(prompt {prompts[i]!r}, completion {completions[i]!r}): expected a finite number"
             )
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _failing_sample(term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]) -> str:
+    """Re-run ``term`` one sample at a time to name the first sample it raises on (only after it failed)."""
+    for i in range(len(completions)):
+        try:
+            term.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
+        except Exception:
+            return f" on sample {i} (prompt {prompts[i]!r}, completion {completions[i]!r})"
+    return " (each sample alone scores fine: the failure depends on the whole batch)"

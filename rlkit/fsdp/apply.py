@@ -1,12 +1,14 @@
-"""apply_fsdp: FSDP2 ``fully_shard``, one unit per decoder layer, then the root."""
+"""apply_fsdp: shard a model with FSDP2 (default) or FSDP1, one unit per decoder layer, then the root."""
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from rlkit.config import FSDPConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -25,20 +27,61 @@ def param_dtype(config: FSDPConfig, device_type: str) -> torch.dtype:
     """The compute dtype: "auto" is bf16 on GPU and fp32 on CPU."""
     if config.param_dtype == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.param_dtype]
+    return DTYPES[config.param_dtype]
+
+
+def build_mesh(device_type: str, world_size: int, config: FSDPConfig) -> DeviceMesh:
+    """1-D ("shard",) mesh for full sharding; 2-D ("replicate", "shard") for hybrid and no_shard."""
+    if config.sharding == "full":
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    shard = 1 if config.sharding == "no_shard" else (config.hybrid_shard_size or world_size)
+    return init_device_mesh(device_type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> torch.nn.Module:
-    """Shard ``model`` in place over the 1-D ``mesh`` and return it.
+    """Shard ``model`` over ``mesh`` (from :func:`build_mesh`) and return the wrapped model.
 
     Parameters stay fp32 (the optimizer's master copy); mixed precision casts
     them to the compute dtype for forward/backward and reduces gradients in
-    ``config.reduce_dtype``.
+    ``config.reduce_dtype``. Build the optimizer after this call.
     """
+    if config.version == 1:
+        return _apply_fsdp1(model, mesh, config)
     compute = param_dtype(config, mesh.device_type)
-    reduce = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
+        reshard_after_forward=config.reshard_after_forward,
+    )
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
+
+
+def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> torch.nn.Module:
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    compute = param_dtype(config, mesh.device_type)
+    strategy = {
+        "full": ShardingStrategy.FULL_SHARD if config.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
+        "hybrid": ShardingStrategy.HYBRID_SHARD if config.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2,
+        "no_shard": ShardingStrategy.NO_SHARD,
+    }[config.sharding]
+    prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+    device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in decoder_layers(model)}),
+        sharding_strategy=strategy,
+        mixed_precision=MixedPrecision(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
+        backward_prefetch=prefetch[config.backward_prefetch],
+        cpu_offload=CPUOffload(offload_params=config.cpu_offload),
+        device_id=device,
+        device_mesh=mesh if config.sharding == "hybrid" else None,
+        use_orig_params=True,
+    )

@@ -17,6 +17,25 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def response_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+) -> torch.Tensor:
+    """[B, T, V] logits that predict the last ``response_width`` tokens of each row (model dtype).
+
+    Args:
+        input_ids: [B, P + T] prompt (left-padded) then response (right-padded).
+        attention_mask: [B, P + T].
+        response_width: T.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_for(attention_mask),
+        logits_to_keep=response_width + 1,  # the LM head runs on the response positions only
+    )
+    return out.logits[:, :-1]
+
+
 def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -35,6 +54,5 @@ def response_logprobs(
     Returns:
         [B, T] float32; positions past a response's end hold garbage and must be masked.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
-    logits = out.logits[:, -response_width - 1 : -1]
+    logits = response_logits(model, input_ids, attention_mask, response_width)
     return token_logprobs(logits, input_ids[:, -response_width:], temperature)

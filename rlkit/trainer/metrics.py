@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlkit.algos import explained_variance, kl_estimate
 from rlkit.data.batch import Batch
 
 PHASES = ("rollout", "score", "advantages", "update")
@@ -21,7 +22,9 @@ def step_metrics(
 
     ``phase_times`` are controller wall seconds per phase; ``worker_times`` the
     slowest rank's seconds inside each phase (generate, logprobs, reference,
-    update, sync); ``memory`` one dict per rank (MiB).
+    update, sync); ``memory`` one dict per rank (MiB). ``kl/mean`` is the k3
+    estimate of KL(policy || reference) per response token at rollout time (0
+    without a reference), whichever estimator the loss or reward uses.
     """
     lengths = batch.response_lengths.float()
     mask = batch.response_mask
@@ -36,6 +39,7 @@ def step_metrics(
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
         "rollout/logprob_gap/mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
         "rollout/logprob_gap/max": gap.max().item(),
+        **_algorithm_metrics(batch),
         **update_stats,
         "perf/tokens_per_s": (batch.attention_mask.sum().item()) / step_seconds,
         "perf/rollout_tokens_per_s": mask.sum().item() / max(worker_times.get("generate", 0.0), 1e-9),
@@ -46,4 +50,23 @@ def step_metrics(
     for rank, mem in enumerate(memory):
         for kind, mib in mem.items():
             row[f"memory/rank{rank}/{kind}_mb"] = mib
+    return row
+
+
+def _algorithm_metrics(batch: Batch) -> dict[str, float]:
+    """KL to the reference, advantage spread and, with a critic, how well its values predict the returns."""
+    mask = batch.response_mask
+    tokens = mask.sum().clamp(min=1)
+    kl = 0.0
+    if batch.ref_logprobs is not None:
+        kl = ((kl_estimate(batch.logprobs, batch.ref_logprobs, "k3") * mask).sum() / tokens).item()
+    row = {
+        "kl/mean": kl,
+        "advantages/mean": ((batch.advantages * mask).sum() / tokens).item(),
+        "advantages/abs_max": (batch.advantages * mask).abs().max().item(),
+    }
+    if batch.values is not None:
+        row["critic/explained_variance"] = explained_variance(batch.values, batch.returns, mask)
+        row["critic/values/mean"] = ((batch.values * mask).sum() / tokens).item()
+        row["critic/returns/mean"] = ((batch.returns * mask).sum() / tokens).item()
     return row

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
-from rlkit.algos import grpo_advantages
-from rlkit.config import ConfigError, GRPOConfig
+from rlkit import diagnostics
+from rlkit.algos import AdvantageFn
+from rlkit.config import ConfigError, PPOConfig, RLConfig, config_from_dict
 from rlkit.data.batch import Batch
 from rlkit.data.prompts import PromptSource
-from rlkit.data.rewards import RewardFn, compute_rewards, reward_terms
+from rlkit.data.rewards import RewardError, RewardFn, WeightedReward, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank
-from rlkit.trainer import policy_worker
+from rlkit.trainer import checkpoints, critic, diagnose, policy_worker, reward_model
+from rlkit.trainer.estimate import estimate_advantages
 from rlkit.trainer.metrics import step_metrics
+from rlkit.trainer.objective import PolicyLossFn
 
 log = logging.getLogger(__name__)
 
@@ -26,28 +31,37 @@ Rewards = RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn
 
 
 class Trainer:
-    """GRPO on a launched cluster, steppable phase by phase.
+    """GRPO or PPO (by the config's class) on a launched cluster, steppable phase by phase.
 
     ``rollout -> score -> advantages -> update`` is one step; :meth:`step` runs
     them in order and :meth:`fit` runs steps with a progress bar. Each phase
     returns its result and changes nothing else, so a cell can be re-run or
-    inspected; only :meth:`update` changes the model.
+    inspected; only :meth:`update` changes the models.
+
+    ``advantage_fn(inputs: rlkit.algos.AdvantageInputs) -> (advantages, returns)``, both [B, T],
+    replaces the config's estimator; ``policy_loss_fn(logprobs, old_logprobs, advantages,
+    response_mask) -> (loss, clipped)``, all [B, T] per token, replaces PPO's clipped surrogate
+    (it travels to the workers by value). See rlkit.algos for the built-in ones.
     """
 
     def __init__(
         self,
         cluster: Cluster,
-        config: GRPOConfig,
+        config: RLConfig,
         *,
         reward_fn: Rewards | None = None,
         prompts: Sequence[str | dict[str, Any]] | None = None,
+        advantage_fn: AdvantageFn | None = None,
+        policy_loss_fn: PolicyLossFn | None = None,
     ):
-        config.check_world_size(cluster.world_size)
+        config.check_cluster(cluster.world_size, cluster.device)
         self.cluster = cluster
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        reward_fn, self._prompts = _task_defaults(config, reward_fn, prompts)
-        self._rewards = reward_terms(reward_fn)
+        self.reward_fn, self._prompts = _task_defaults(config, reward_fn, prompts)
+        self._model_rewards: list[WeightedReward] = []
+        self._advantage_fn = advantage_fn
+        self.has_critic = isinstance(config, PPOConfig)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         self.steps_done = 0
         self.last_batch: Batch | None = None
@@ -55,7 +69,23 @@ class Trainer:
         self._phase_times: dict[str, float] = {}
         self._worker_times: dict[str, float] = {}
         self._memory: list[dict[str, float]] = []
-        cluster.run(policy_worker.setup, config.to_dict(), str(self.model_dir))
+        cluster.run(policy_worker.setup, config.to_dict(), str(self.model_dir), policy_loss_fn)
+        if self.has_critic:
+            cluster.run(critic.setup, config.to_dict(), str(self.model_dir))
+        if config.reward_model.path:
+            cluster.run(reward_model.setup, config.to_dict())
+            rm = reward_model.ModelReward(cluster)
+            self._model_rewards = [WeightedReward("reward_model", rm, config.reward_model.weight)]
+
+    @property
+    def reward_fn(self) -> Rewards | None:
+        """The reward function(s) :meth:`score` applies besides a configured reward model; assign to replace them."""
+        return self._reward_fn
+
+    @reward_fn.setter
+    def reward_fn(self, spec: Rewards | None) -> None:
+        self._rewards = reward_terms(spec) if spec is not None else []
+        self._reward_fn = spec
 
     @property
     def history(self) -> pd.DataFrame:
@@ -67,7 +97,8 @@ class Trainer:
     def rollout(self) -> Batch:
         """Sample the next prompts, generate ``group_size`` completions each, and score them with the actor.
 
-        Returns a Batch with completions, engine and trainer log-probs (and reference log-probs).
+        Returns a Batch with completions, engine and trainer log-probs (and reference log-probs, and
+        the critic's values with PPO).
         """
         cfg = self.config
         start = time.perf_counter()
@@ -88,6 +119,12 @@ class Trainer:
         )
         batch = self._assemble(items, prompt_ids, prompt_mask, results)
         self._record("rollout", start, results)
+        if self.has_critic:
+            values = self.cluster.run(
+                critic.values, PerRank(list(batch.input_ids.chunk(ranks))), PerRank(list(batch.attention_mask.chunk(ranks)))
+            )
+            batch.values = torch.cat([v["values"] for v in values]) * batch.response_mask
+            self._record("rollout", start, values)
         return batch
 
     def score(self, batch: Batch) -> Batch:
@@ -96,24 +133,27 @@ class Trainer:
         A reward function that raises or returns bad values raises RewardError; ``batch`` is untouched.
         """
         start = time.perf_counter()
-        total, terms = compute_rewards(self._rewards, batch.prompts, batch.completions, batch.fields)
+        terms = self._rewards + self._model_rewards
+        total, terms = compute_rewards(terms, batch.prompts, batch.completions, batch.fields)
         batch.rewards, batch.reward_terms = total, terms
         self._phase_times["score"] = time.perf_counter() - start
         return batch
 
     def advantages(self, batch: Batch) -> Batch:
-        """GRPO group-relative advantages from ``batch.rewards``; returns the batch with ``advantages`` filled."""
+        """Per-token advantages and returns from ``batch.rewards`` (and values, KL penalty) by the config's
+        estimator or ``advantage_fn``; returns the batch with ``advantages`` and ``returns`` filled."""
         if batch.rewards is None:
             raise ValueError("the batch has no rewards yet: call trainer.score(batch) first")
         start = time.perf_counter()
-        batch.advantages = grpo_advantages(batch.rewards, self.config.group_size, scale=self.config.scale_rewards)
+        batch.advantages, batch.returns = estimate_advantages(batch, self.config, self._advantage_fn)
         self._phase_times["advantages"] = time.perf_counter() - start
         return batch
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One policy update on ``batch`` across all ranks, then weight sync into the rollout engines.
+        """One critic update (PPO) and one policy update on ``batch`` across all ranks, then weight sync.
 
-        Returns the update's metrics (policy loss, clip fraction, KL, grad norm, per-rank agreement).
+        Returns the update's metrics (policy loss, clip fraction, entropy, grad norm, per-rank
+        agreement; with PPO the critic's loss and value clip fraction).
         """
         if batch.advantages is None:
             raise ValueError("the batch has no advantages yet: call trainer.advantages(batch) first")
@@ -129,23 +169,43 @@ class Trainer:
             }
             for s in batch.split(self.cluster.world_size)
         ]
+        critic_stats = {}
+        if self.has_critic:
+            critic_shards = [
+                {k: getattr(s, k) for k in ("input_ids", "attention_mask", "response_mask", "values", "returns")}
+                for s in batch.split(self.cluster.world_size)
+            ]
+            critic_results = self.cluster.run(critic.update, PerRank(critic_shards))
+            self._record("update", start, critic_results)
+            critic_stats = {k: v for k, v in critic_results[0].items() if isinstance(v, (int, float))}
         results = self.cluster.run(policy_worker.update, PerRank(shards))
         self._record("update", start, results)
-        stats = {k: v for k, v in results[0].items() if isinstance(v, (int, float))}
+        stats = {**critic_stats, **{k: v for k, v in results[0].items() if isinstance(v, (int, float))}}
         norms = [r["grad/norm"] for r in results]
         stats["grad/norm_rank_spread"] = max(norms) - min(norms)
-        self._update_stats = stats
         return stats
 
     # -- loops ----------------------------------------------------------------------------------
 
-    def step(self) -> dict[str, float]:
-        """All phases once; appends a row to :attr:`history` and returns it."""
+    def step(self, batch: Batch | None = None) -> dict[str, float]:
+        """All phases once; appends a row to :attr:`history` and returns it.
+
+        Given ``batch`` (e.g. ``trainer.last_batch`` after a reward function failed), the step goes on
+        from that rollout instead of generating a new one.
+        """
         start = time.perf_counter()
         self._phase_times, self._worker_times = {}, {}
-        batch = self.rollout()
+        if batch is None:
+            batch = self.rollout()
         self.last_batch = batch
-        self.advantages(self.score(batch))
+        try:
+            self.score(batch)
+        except RewardError as exc:
+            raise RewardError(
+                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
+                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
+            ) from exc
+        self.advantages(batch)
         stats = self.update(batch)
         self.steps_done += 1
         row = step_metrics(
@@ -171,9 +231,12 @@ class Trainer:
         if steps < 1:
             raise ValueError(f"steps={steps}: must be >= 1")
         bar = tqdm(range(steps), desc="rlkit", disable=not progress)
+        every, folder = self.config.checkpoint.every, self.config.checkpoint.dir
         for _ in bar:
             row = self.step()
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}")
+            if every and self.steps_done % every == 0:
+                self.save(folder)
             if on_step is not None:
                 on_step(row)
         return self.history
@@ -181,6 +244,80 @@ class Trainer:
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a checkpoint of this step into the folder ``path`` (as ``path/step-<N>``); returns its path.
+
+        Atomic: it appears only when complete. All but the newest ``config.checkpoint.keep_last`` are dropped.
+        """
+        root = Path(path)
+        partial = checkpoints.partial_dir(root, self.steps_done)
+        self.cluster.run(policy_worker.save, str(partial), self.config.checkpoint.export_hf)
+        if self.has_critic:
+            self.cluster.run(critic.save, str(partial))
+        meta = {
+            "config": self.config.to_dict(),
+            "steps_done": self.steps_done,
+            "prompts": self._prompts.state_dict(),
+            "history": self._rows,
+        }
+        return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+
+    @classmethod
+    def resume(
+        cls,
+        cluster: Cluster,
+        path: str | os.PathLike,
+        *,
+        reward_fn: Rewards | None = None,
+        prompts: Sequence[str | dict[str, Any]] | None = None,
+        advantage_fn: AdvantageFn | None = None,
+        policy_loss_fn: PolicyLossFn | None = None,
+    ) -> Trainer:
+        """A trainer continuing from a checkpoint (``path`` itself or the latest complete one under it).
+
+        Weights (actor and critic), optimizers, schedules, RNG, step count, prompt position and history
+        are restored; functions are not stored, so pass reward_fn, prompts, advantage_fn and
+        policy_loss_fn again unless the run used the defaults.
+        """
+        checkpoint = checkpoints.resolve(path)
+        meta = checkpoints.read_meta(checkpoint)
+        trainer = cls(
+            cluster,
+            config_from_dict(meta["config"]),
+            reward_fn=reward_fn,
+            prompts=prompts,
+            advantage_fn=advantage_fn,
+            policy_loss_fn=policy_loss_fn,
+        )
+        cluster.run(policy_worker.load, str(checkpoint))
+        if trainer.has_critic:
+            cluster.run(critic.load, str(checkpoint))
+        trainer.steps_done = meta["steps_done"]
+        trainer._rows = meta["history"]
+        trainer._prompts.load_state_dict(meta["prompts"])
+        log.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
+        return trainer
+
+    # -- diagnostics (rlkit.diagnostics on every rank, combined here) ----------------------------
+
+    def sharding(self) -> diagnostics.Sharding:
+        """How the actor is sharded (units, parameters, totals per rank; reference and engine holdings)."""
+        return diagnose.sharding(self.cluster)
+
+    def memory(self) -> pd.DataFrame:
+        """Each rank's memory at the phase boundaries of the last step, broken down by what holds it."""
+        return diagnose.memory(self.cluster)
+
+    def grad_norms(self) -> diagnostics.GradNorms:
+        """The last optimizer step's per-rank, per-unit gradient norms, the true global norm, disagreements."""
+        return diagnose.grad_norms(self.cluster)
+
+    def lint(self) -> diagnostics.Findings:
+        """FSDP lint over every rank's actor, optimizer, reference and rollout engine."""
+        return diagnose.lint(self.cluster)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -214,6 +351,7 @@ class Trainer:
             logprobs=torch.cat([r["logprobs"] for r in results]),
             ref_logprobs=None if ref[0] is None else torch.cat(ref),
             group=torch.arange(len(items)).repeat_interleave(g),
+            rank=torch.cat([torch.full((len(r["response_ids"]),), i) for i, r in enumerate(results)]),
             finish_reason=sum((r["finish_reason"] for r in results), []),
             fields=fields,
         )
@@ -226,12 +364,16 @@ class Trainer:
         self._memory = [r["memory_mb"] for r in results]
 
 
-def _task_defaults(config: GRPOConfig, reward_fn: Rewards | None, prompts) -> tuple[Rewards, PromptSource]:
-    """Fill in the bundled task for model="tiny"; any other model needs both reward_fn and prompts."""
-    if config.model != "tiny" and (reward_fn is None or prompts is None):
-        missing = [n for n, v in (("reward_fn", reward_fn), ("prompts", prompts)) if v is None]
+def _task_defaults(config: RLConfig, reward_fn: Rewards | None, prompts) -> tuple[Rewards | None, PromptSource]:
+    """Fill in the bundled task for model="tiny"; any other model needs prompts, and reward_fn unless a
+    reward model is configured. With a reward model and no reward_fn, the reward model alone scores."""
+    has_rm = bool(config.reward_model.path)
+    missing = [n for n, absent in (("reward_fn", reward_fn is None and not has_rm), ("prompts", prompts is None)) if absent]
+    if config.model != "tiny" and missing:
         raise ConfigError([f"{' and '.join(missing)} missing: only model='tiny' has a bundled task and reward"])
     from rlkit.data.tasks import AdditionTask, addition_reward
 
     source = PromptSource(prompts, seed=config.seed) if prompts is not None else PromptSource(task=AdditionTask(), seed=config.seed)
-    return (reward_fn if reward_fn is not None else addition_reward), source
+    if reward_fn is None and not has_rm:
+        reward_fn = addition_reward
+    return reward_fn, source

@@ -1,0 +1,36 @@
+"""Full (unsharded) parameters of an FSDP1 or FSDP2 model, by their original names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without FSDP1/activation-checkpoint wrapper prefixes."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def iter_full_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) for each parameter; a collective: every rank consumes it all, in order.
+
+    FSDP2 gathers one parameter at a time (peak extra memory: the largest
+    parameter). FSDP1 gathers the whole model once (it has no per-parameter
+    unshard); prefer FSDP2 for models that barely fit.
+    """
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, writeback=False):
+            for name, param in model.named_parameters():
+                # summon_full_params frees these views on exit: copy so the tensor outlives the loop
+                yield clean_name(name), param.detach().clone()
+        return
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, full.detach()

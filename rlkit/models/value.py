@@ -1,0 +1,72 @@
+"""Models with a scalar head: the critic's value model (one value per token) and reward models (one per sequence)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlkit.models.logprobs import position_ids_for
+
+
+def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def load_value_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    """A causal LM's backbone with a fresh linear head giving one value per token (AutoModelForTokenClassification,
+    num_labels=1), dropout off. Seed the RNG first: every rank must draw the same head."""
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the head is missing from a causal LM's checkpoint by design: no load report
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(
+            model_dir, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return _no_dropout(model).to(device)
+
+
+def response_values(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+) -> torch.Tensor:
+    """V(s_t) for each response token t, read at the position before it (as the policy's logits are).
+
+    Args:
+        input_ids, attention_mask: [B, P + T] prompt (left-padded) then response (right-padded).
+        response_width: T.
+    Returns:
+        [B, T] float32; positions past a response's end hold garbage and must be masked.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
+    return out.logits[:, -response_width - 1 : -1, 0].float()
+
+
+def load_reward_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    """An AutoModelForSequenceClassification with one label, dropout off; raises ValueError naming the fix otherwise."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_dir, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True
+    )
+    if model.config.num_labels != 1:
+        raise ValueError(
+            f"reward model {model_dir} has num_labels={model.config.num_labels}; a reward model gives one score "
+            "per sequence (num_labels=1)"
+        )
+    return _no_dropout(model).to(device)
+
+
+def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] float32 scores of left-padded sequences [B, L] (the model reads its head at the last token)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
+    return out.logits[:, 0].float()

@@ -1,0 +1,78 @@
+"""Checkpoint folders on disk: atomic publication, discovery of the latest complete one, keep-last-K.
+
+A checkpoint is ``<root>/step-<N>/`` holding ``trainer.json`` (config, step,
+prompt position, history), ``shards/`` (distributed checkpoint of model and
+optimizer), ``rank<r>.pt`` (schedule and RNG per rank) and ``hf/`` (a Hugging
+Face export). It is written under a hidden ``.step-<N>.partial-*`` name and
+renamed into place only when complete, so a crash mid-save leaves the previous
+checkpoints untouched and the partial one is never picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+_NAME = re.compile(r"^step-(\d+)$")
+META = "trainer.json"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    """A fresh hidden folder to write step ``step`` into."""
+    path = root / f".step-{step:06d}.partial-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True)
+    return path
+
+
+def publish(partial: Path, step: int, meta: dict[str, Any], keep_last: int) -> Path:
+    """Write the metadata last, fsync, rename ``partial`` to ``step-<N>``, then drop all but the newest ``keep_last``."""
+    meta_path = partial / META
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    final = partial.parent / f"step-{step:06d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    _fsync_dir(partial.parent)
+    for old in complete(partial.parent)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old)
+    return final
+
+
+def complete(root: Path) -> list[Path]:
+    """Published checkpoints under ``root``, oldest first (partial folders are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / META).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """``path`` itself if it is a checkpoint, else the latest complete checkpoint under it."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    found = complete(path)
+    if not found:
+        raise FileNotFoundError(f"no complete checkpoint in {path} (looked for step-*/{META})")
+    return found[-1]
+
+
+def read_meta(checkpoint: Path) -> dict[str, Any]:
+    with open(checkpoint / META) as f:
+        return json.load(f)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
