@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlkit.models.logprobs import token_logprobs
+from rlkit.models.logprobs import response_logprobs
 from rlkit.rollout.base import Generation, SamplingParams
 
 
@@ -20,8 +20,9 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int):
+    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int, score_batch: int = 32):
         self.model = model.eval().requires_grad_(False)
+        self.score_batch = score_batch
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
 
@@ -40,20 +41,34 @@ class HFEngine:
             min_new_tokens=params.min_new_tokens,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
         )
-        response = out.sequences[:, prompt_ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1)
-        logprobs = token_logprobs(logits, response, params.temperature)
+        response = out[:, prompt_ids.shape[1] :]
         mask, finished = _response_mask(response, self.eos_token_id)
         width = params.max_new_tokens
+        response = _pad_to(response.masked_fill(mask == 0, self.pad_token_id), width, self.pad_token_id).long()
+        mask = _pad_to(mask, width, 0)
+        logprobs = self._score(prompt_ids.repeat_interleave(params.n, 0), prompt_mask.repeat_interleave(params.n, 0),
+                               response, mask, params.temperature)
         return Generation(
-            response_ids=_pad_to(response.masked_fill(mask == 0, self.pad_token_id), width, self.pad_token_id).long(),
-            response_mask=_pad_to(mask, width, 0),
-            logprobs=_pad_to(logprobs * mask, width, 0),
+            response_ids=response,
+            response_mask=mask,
+            logprobs=logprobs * mask,
             finish_reason=["stop" if f else "length" for f in finished.tolist()],
         )
+
+    def _score(self, prompts, prompt_mask, response, response_mask, temperature: float) -> torch.Tensor:
+        """[N, T] log-probs of the sampled tokens from one scoring pass of the engine's model, in chunks.
+
+        Cheaper in memory than keeping generate's per-step logits ([N, T, V] in all).
+        """
+        ids = torch.cat([prompts, response], dim=1)
+        attention = torch.cat([prompt_mask, response_mask.long()], dim=1)
+        width, size = response.shape[1], self.score_batch
+        parts = [
+            response_logprobs(self.model, ids[i : i + size], attention[i : i + size], width, temperature)
+            for i in range(0, ids.shape[0], size)
+        ]
+        return torch.cat(parts)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
