@@ -92,7 +92,7 @@ def test_rollout_table_has_rank_terms_advantage_and_gap():
         finish_reason=["stop", "length", "stop", "stop"],
         rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
         reward_terms={"correct": torch.tensor([1.0, 0.0, 1.0, 0.0])},
-        advantages=torch.tensor([0.7, -0.7, 0.7, -0.7]),
+        advantages=torch.tensor([0.7, -0.7, 0.7, -0.7]).unsqueeze(1).expand(4, 3),  # [B, T], per token
     )
     df = batch.to_pandas()
     assert list(df["rank"]) == [0, 0, 1, 1]
