@@ -57,7 +57,8 @@ class MemoryView(View):
         latest = self.latest()
         x = [[f"rank {r}" for r in latest["rank"]], list(latest["phase"])]
         fig = go.Figure([go.Bar(x=x, y=latest[f"{c}_mb"], name=c, marker_color=COLORS[c]) for c in CATEGORIES])
-        fig.update_layout(barmode="stack", title=f"MiB by phase and what holds it (step {latest['step'].max()})",
+        where = "" if latest["allocated_mb"].notna().any() else "; on CPU the total is process RSS"
+        fig.update_layout(barmode="stack", title=f"MiB by phase and what holds it (step {latest['step'].max()}{where})",
                           yaxis_title="MiB", height=360, margin={"t": 40})
         return fig
 
