@@ -300,6 +300,16 @@ def test_live_widget_draws_figures_with_the_plotly_renderer_and_follows_updates(
     assert "rank 1: 445 MiB" in box.children[-1].value  # CPU: RSS
 
 
+def test_live_widget_of_a_view_without_figures_shows_its_summary():
+    box = LintView(Findings([])).widget()
+    assert len(box.children) == 1 and "No findings" in box.children[0].value
+    view = RolloutView(batch(), decode, page_size=2)
+    controls, plot, summary = view.widget().children
+    assert "Page 1 of 2" in summary.value
+    controls.children[2].click()  # the next-page button
+    assert "Page 2 of 2" in summary.value and plot.outputs[0]["data"][PLOTLY_MIME]["layout"]["title"]["text"]
+
+
 def test_throttle_passes_once_per_interval():
     now = [0.0]
     throttle = Throttle(2.0, clock=lambda: now[0])

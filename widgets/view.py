@@ -70,8 +70,8 @@ class View:
         import ipywidgets as w
 
         if self._box is None:
-            self._box = w.VBox(layout=w.Layout(width="100%"))
             self._summary_widget = w.HTML()
+            self._box = w.VBox([*self.controls(), self._summary_widget], layout=w.Layout(width="100%"))
             self.refresh()
         return self._box
 
