@@ -116,6 +116,46 @@ def all_cells_done(page, lab: Lab, above: int) -> bool:
     return all(re.search(r"\[\d+\]", c) for c in counts) and not any("*" in p for p in prompts) and lab.kernels_idle()
 
 
+def drive(page, lab: Lab, cells: int) -> None:
+    """Run the cells above the last, click Step, check the counter and the plots, take the screenshots."""
+    page.goto(lab.url("lab/tree/01_quickstart.ipynb"))
+    page.locator(".jp-Notebook .jp-Cell").last.wait_for(timeout=60_000)
+    wait_until(lab.kernels_idle, 60, "the kernel to start")
+    page.locator(".jp-Notebook .jp-Cell").last.click()  # everything above the last cell (cluster.shutdown())
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Above Selected Cell").click()
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+
+    def failed() -> list[str]:
+        return [e for e in errors.all_inner_texts() if "Traceback" in e or "Error" in e]
+
+    wait_until(lambda: all_cells_done(page, lab, cells - 1) or failed(), 300, "the cells above the shutdown")
+    assert not failed(), failed()
+    dashboard = page.locator(".rlkit-dashboard")
+    assert dashboard.count() == 1, "the dashboard cell shows no widget (is the widget front end missing?)"
+
+    before = step_count(page)
+    assert before > 0
+    plots = dashboard.locator(".js-plotly-plot .main-svg")
+    wait_until(lambda: plots.count() > 0, 30, "plotly to draw the dashboard's figures")
+    dashboard.locator("button", has_text="Step").click()
+    wait_until(lambda: step_count(page) == before + 1, 120, f"the step counter to reach {before + 1}")
+    wait_until(lambda: not dashboard.locator("button", has_text="Step").is_disabled(), 60, "the run to end")
+    dashboard.scroll_into_view_if_needed()
+    dashboard.screenshot(path=str(ARTIFACTS / "quickstart_dashboard.png"))
+    page.screenshot(path=str(ARTIFACTS / "quickstart_page.png"))
+    for tab, drawn in TABS.items():  # each tab draws its figures when shown
+        dashboard.locator(".lm-TabBar-tab", has_text=tab).click()
+        visible = dashboard.locator(".js-plotly-plot:visible .main-svg")
+        wait_until(lambda: visible.count() >= drawn, 30, f"the {tab} tab's figures")
+        dashboard.screenshot(path=str(ARTIFACTS / f"quickstart_tab_{tab.replace(' ', '_')}.png"))
+    assert "No findings" in dashboard.inner_text()
+
+    page.locator(".jp-Notebook .jp-Cell").last.click()  # cluster.shutdown()
+    page.keyboard.press("Shift+Enter")
+    wait_until(lab.kernels_idle, 60, "the shutdown cell")
+
+
 @pytest.mark.timeout(420)
 def test_quickstart_dashboard_in_chromium(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
@@ -130,42 +170,12 @@ def test_quickstart_dashboard_in_chromium(tmp_path):
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
-            page.goto(lab.url("lab/tree/01_quickstart.ipynb"))
-            page.locator(".jp-Notebook .jp-Cell").last.wait_for(timeout=60_000)
-            wait_until(lab.kernels_idle, 60, "the kernel to start")
-            # Everything above the last cell (cluster.shutdown()).
-            page.locator(".jp-Notebook .jp-Cell").last.click()
-            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Above Selected Cell").click()
-            dashboard = page.locator(".rlkit-dashboard")
-            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-
-            def failed() -> list[str]:
-                return [e for e in errors.all_inner_texts() if "Traceback" in e or "Error" in e]
-
-            wait_until(lambda: all_cells_done(page, lab, cells - 1) or failed(), 300, "the cells above the shutdown")
-            assert not failed(), failed()
-
-            before = step_count(page)
-            assert before > 0
-            plots = dashboard.locator(".js-plotly-plot .main-svg")
-            wait_until(lambda: plots.count() > 0, 30, "plotly to draw the dashboard's figures")
-            dashboard.locator("button", has_text="Step").click()
-            wait_until(lambda: step_count(page) == before + 1, 120, f"the step counter to reach {before + 1}")
-            wait_until(lambda: not dashboard.locator("button", has_text="Step").is_disabled(), 60, "the run to end")
-            dashboard.scroll_into_view_if_needed()
-            dashboard.screenshot(path=str(ARTIFACTS / "quickstart_dashboard.png"))
-            page.screenshot(path=str(ARTIFACTS / "quickstart_page.png"))
-            for tab, drawn in TABS.items():  # each tab draws its figures when shown
-                dashboard.locator(".lm-TabBar-tab", has_text=tab).click()
-                visible = dashboard.locator(".js-plotly-plot:visible .main-svg")
-                wait_until(lambda: visible.count() >= drawn, 30, f"the {tab} tab's figures")
-                dashboard.screenshot(path=str(ARTIFACTS / f"quickstart_tab_{tab.replace(' ', '_')}.png"))
-            assert "No findings" in dashboard.inner_text()
-
-            page.locator(".jp-Notebook .jp-Cell").last.click()  # cluster.shutdown()
-            page.keyboard.press("Shift+Enter")
-            wait_until(lab.kernels_idle, 60, "the shutdown cell")
-            browser.close()
+            try:
+                drive(page, lab, cells)
+            except BaseException:
+                page.screenshot(path=str(ARTIFACTS / "failure.png"))
+                raise
+            finally:
+                browser.close()
     finally:
         lab.stop()
