@@ -109,3 +109,22 @@ def test_dashboard_in_a_kernel_runs_in_the_background_and_stops_on_click(tmp_pat
     finally:
         client.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(120)
+def test_nbconvert_shows_a_views_tables_when_no_widget_state_was_saved():
+    """As for a notebook saved by JupyterLab (which keeps no widget state by default) or read on GitHub."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nbconvert = pytest.importorskip("nbconvert")
+    code = ("from rlkit.diagnostics import Finding, Findings\n"
+            "from rlkit.widgets import LintView\n"
+            "LintView(Findings([Finding(id='no-shard', severity='warning', message='NO_SHARD where sharding was meant',"
+            " evidence=\"unit ''\", fix='FULL_SHARD', ranks=(0, 1))]))")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=60, store_widget_state=False).execute()
+    (output,) = nb.cells[0].outputs
+    assert {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain"} <= set(output["data"])
+    page, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
+    assert "NO_SHARD where sharding was meant" in page and 'class="finding-warning"' in page
+    assert "[warning] no-shard (ranks 0, 1)" in output["data"]["text/plain"]

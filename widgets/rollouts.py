@@ -16,6 +16,11 @@ GAP_FULL = 1.0
 """A trainer-vs-engine log-prob gap of this many nats or more is drawn fully red (healthy runs: < 1e-3)."""
 LOGPROB_FULL = 5.0
 """A token log-prob of minus this or lower (p < 0.7%) is drawn fully red."""
+LEGENDS = {
+    "advantage": "green: positive advantage, red: negative (deeper: larger, relative to the batch's largest)",
+    "logprob_gap": f"red: |trainer - engine| log-prob of the token (full at {GAP_FULL:g} nat; healthy runs stay white)",
+    "logprob": f"red: unlikely tokens under the rollout engine (full at log-prob -{LOGPROB_FULL:g})",
+}
 
 
 def token_rgba(value: float, colouring: str, scale: float) -> str:
@@ -146,12 +151,15 @@ class RolloutView(View):
         if self.batch is None:
             return '<p class="note">no rollout yet</p>'
         return (f"<p>{html.escape(self._headline())}. Page {self.page + 1} of {self.pages}.</p>"
-                + self.rows_html(self._page_indices()))
+                + self._legend() + self.rows_html(self._page_indices()))
 
     def export_html(self) -> str:
         if self.batch is None:
             return self.summary_html()
-        return f"<p>{html.escape(self._headline())}.</p>" + self.rows_html(range(len(self.batch)))
+        return f"<p>{html.escape(self._headline())}.</p>" + self._legend() + self.rows_html(range(len(self.batch)))
+
+    def _legend(self) -> str:
+        return f'<p class="note">Tokens: {html.escape(LEGENDS[self.current_colouring()])}; hover a token for its value.</p>'
 
     def summary_text(self) -> str:
         if self.batch is None:
