@@ -157,7 +157,7 @@ def drive(page, lab: Lab, cells: int) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_quickstart_dashboard_in_chromium(tmp_path):
+def test_quickstart_dashboard_in_chromium(tmp_path, widgets_in_kernels):
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
     pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
     notebooks = tmp_path / "notebooks"

@@ -3,6 +3,7 @@ steps, every view follows the trainer, a failing run is shown and leaves the das
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -11,6 +12,7 @@ pytest.importorskip("ipywidgets")
 
 import rlkit
 from rlkit.data.rewards import RewardError
+from rlkit.models import resolve_model_dir
 from rlkit.widgets import Dashboard
 from rlkit.widgets.runner import Runner
 
@@ -38,7 +40,8 @@ def test_dashboard_steps_in_the_background_and_views_follow(cluster, tmp_path):
     views = dash.views
     assert "step 0" in dash._status.value
     assert views["grad norms"].norms is None and views["rollouts"].batch is None and views["memory"].marks.empty
-    assert list(views["sharding"].grid().index) == ["(root)", "model.layers.0", "model.layers.1", "model.layers.2"]
+    layers = json.loads((resolve_model_dir("tiny") / "config.json").read_text())["num_hidden_layers"]
+    assert list(views["sharding"].grid().index) == ["(root)", *(f"model.layers.{i}" for i in range(layers))]
     assert len(views["lint"].findings) == 0 and "all ranks alive" in dash._cluster.value
 
     start = time.monotonic()

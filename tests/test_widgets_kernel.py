@@ -78,7 +78,7 @@ class Front:
 
 
 @pytest.mark.timeout(300)
-def test_dashboard_in_a_kernel_runs_in_the_background_and_stops_on_click(tmp_path):
+def test_dashboard_in_a_kernel_runs_in_the_background_and_stops_on_click(tmp_path, widgets_in_kernels):
     km, client = manager.start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
     front = Front(client)
     try:
@@ -112,7 +112,7 @@ def test_dashboard_in_a_kernel_runs_in_the_background_and_stops_on_click(tmp_pat
 
 
 @pytest.mark.timeout(120)
-def test_nbconvert_shows_a_views_tables_when_no_widget_state_was_saved():
+def test_nbconvert_shows_a_views_tables_when_no_widget_state_was_saved(widgets_in_kernels):
     """As for a notebook saved by JupyterLab (which keeps no widget state by default) or read on GitHub."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -38,15 +38,15 @@ class Dashboard:
         self._memory: dict[int, pd.DataFrame] = {}
         self._throttle = Throttle(refresh_s)
         self._runner = Runner(trainer, on_step=self._after_step, on_end=self._after_run, on_idle=self._idle)
+        sharding = trainer.sharding()
         self.views = {
             "training": TrainingView(trainer.history),
-            "sharding": ShardingView(trainer.sharding()),
-            "memory": MemoryView(self._record_memory()),
+            "sharding": ShardingView(sharding),
+            "memory": MemoryView(self._record_memory(), sharding.scaling),
             "grad norms": GradNormView(self._grad_norms()),
             "rollouts": RolloutView.from_trainer(trainer),
             "lint": LintView(trainer.lint()),
         }
-        self.views["memory"].scaling = self.views["sharding"].sharding.scaling
         self._build(run_steps)
         self._set_progress(0, 0)
 
@@ -94,6 +94,7 @@ class Dashboard:
         return write_page(path, f"rlkit dashboard: step {self.trainer.steps_done}", list(self.views.values()))
 
     def widget(self):
+        """The dashboard's ipywidgets box (what a cell shows)."""
         return self._box
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
