@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (the whole suite).
+# The two commands of the README: `make demo` (the main job) and `make test` (the whole suite, Ray backend included).
 # Both build .venv themselves on a fresh machine (Python 3.11+, pip; no GPU, no hub access needed).
 
 PY ?= python3
@@ -26,7 +26,7 @@ $(VENV)/.base: $(VENV)/.venv pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(BIN)/python -m pip install -q -e '.[dev,browser]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,browser]'
 	touch $@
 
 # Debian's Chromium for the browser test (tests/test_browser.py skips, saying why, where it cannot be installed).

@@ -17,16 +17,7 @@ import time
 
 import rlkit
 
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
-}
-PEAK_BF16_FLOPS = 989e12
-"""H100/H200 SXM dense bf16 peak, the usual MFU denominator."""
+from shapes import PEAK_BF16_FLOPS, SHAPES
 
 
 def local_bytes(tensors) -> int:

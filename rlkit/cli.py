@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from rlkit.config import ConfigError, GRPOConfig
+from rlkit.trainer.metrics import PHASES
 
 HEADER = f"{'step':>4} {'reward':>7} {'kl':>8} {'len':>5} {'tok/s':>7} {'mem/rank MiB':>14}  phase seconds"
 
@@ -20,12 +21,11 @@ def format_step(row: dict) -> str:
     cuda = [k for k in sorted(row) if k.startswith("memory/rank") and k.endswith("peak_mb")]
     if cuda:
         memory = "/".join(f"{row[k]:.0f}" for k in cuda)
-    phases = " ".join(
-        f"{k.split('/')[-1]}={row[k]:.2f}" for k in row if k.startswith("time/") and k != "time/step" and row[k] >= 0.005
-    )
+    phases = " ".join(f"{p}={row[f'time/{p}']:.2f}" for p in PHASES)
+    inner = " ".join(f"{k.split('/')[-1]}={row[k]:.2f}" for k in row if k.startswith("time/worker/"))
     return (
         f"{row['step']:>4} {row['reward/mean']:>7.3f} {row['kl/mean']:>8.4f} {row['response/length/mean']:>5.1f} "
-        f"{row['perf/tokens_per_s']:>7.0f} {memory:>14}  {phases}"
+        f"{row['perf/tokens_per_s']:>7.0f} {memory:>14}  {phases} (workers: {inner})"
     )
 
 

@@ -85,6 +85,8 @@ class RolloutConfig:
     """Rollout engine: "hf" (Hugging Face generate on an unsharded copy of the actor)."""
     max_new_tokens: int = 16
     """Maximum completion length in tokens, >= 1."""
+    min_new_tokens: int = 0
+    """End-of-text is suppressed before this many tokens (= max_new_tokens gives fixed lengths, for benchmarks)."""
     max_prompt_tokens: int = 64
     """Prompts longer than this (in tokens) are rejected with an error naming them."""
     temperature: float = 1.0
@@ -96,6 +98,11 @@ class RolloutConfig:
         p: list[str] = []
         _need(p, self.engine in ("hf",), f'{prefix}.engine="{self.engine}": valid engines are "hf"')
         _need(p, self.max_new_tokens >= 1, f"{prefix}.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        _need(
+            p,
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            f"{prefix}.min_new_tokens={self.min_new_tokens}: must be in [0, max_new_tokens={self.max_new_tokens}]",
+        )
         _need(p, self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
         _need(p, self.temperature > 0, f"{prefix}.temperature={self.temperature}: must be > 0")
         _need(p, 0 < self.top_p <= 1, f"{prefix}.top_p={self.top_p}: must be in (0, 1]")

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlkit.runtime import ClusterBroken, PerRank, RemoteError, WorkerDied, context, launch
+from rlkit.runtime import ClusterBroken, PerRank, RemoteError, WorkerDied, WorkerHung, context, launch
 from rlkit.runtime.cluster import STATUS_COLUMNS
 from rlkit.runtime.transport import TensorFiles, dumps, loads
 
@@ -72,12 +72,17 @@ def _shm_files(cluster) -> list[str]:
 
 @pytest.mark.timeout(10)
 def test_launch_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="valid backends: 'local'"):
-        launch(2, backend="ray")
+    with pytest.raises(ValueError, match="backend='mpi': valid backends are 'local', 'ray'"):
+        launch(2, backend="mpi")
     with pytest.raises(ValueError, match="valid devices"):
         launch(2, device="tpu")
     with pytest.raises(ValueError, match="world_size"):
         launch(0)
+    with pytest.raises(ValueError) as info:  # every problem at once
+        launch(2, address="auto", hang_timeout=0, call_timeout=-1.0)
+    assert "address='auto' is for backend='ray'" in str(info.value)
+    assert "hang_timeout must be positive seconds, got 0" in str(info.value)
+    assert "call_timeout must be positive seconds, got -1.0" in str(info.value)
 
 
 @pytest.mark.timeout(10)
@@ -270,18 +275,120 @@ def test_status_has_documented_columns(cluster):
     assert (status["heartbeat_age_s"] < 5).all() and (status["rss_mb"] > 10).all()
 
 
+def _interrupt_after(seconds: float) -> dict:
+    """Deliver KeyboardInterrupt to this (main) thread after ``seconds``; returns {"at": when}."""
+    fired: dict = {}
+
+    def fire():
+        fired["at"] = time.monotonic()
+        _thread.interrupt_main()
+
+    threading.Timer(seconds, fire).start()
+    return fired
+
+
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_cancels_the_call_quickly_and_cluster_stays_usable(cluster):
+    pids = _pids(cluster)
+    cluster.run(lambda: context().state.update(kept=context().rank))
+
+    def work():
+        context().state["started"] = True
+        time.sleep(30)
+        context().state["finished"] = True
+
+    fired = _interrupt_after(1.0)
+    with pytest.raises(KeyboardInterrupt) as info:
+        cluster.run(work)
+    assert time.monotonic() - fired["at"] < 5
+    assert "cancelled on ranks [0, 1]; the cluster is still usable" in "".join(info.value.__notes__)
+    assert not cluster.closed and _pids(cluster) == pids
+    state = cluster.run(lambda: dict(context().state))
+    assert [(s["kept"], s["started"], "finished" in s) for s in state] == [(0, True, False), (1, True, False)]
+
+    def all_reduce():
+        t = torch.tensor([context().rank + 1.0])
+        dist.all_reduce(t)
+        return t.item()
+
+    assert cluster.run(all_reduce) == [3.0, 3.0]
+
+
+@pytest.mark.timeout(60)
+def test_call_timeout_cancels_a_slow_call_and_cluster_stays_usable(cluster):
+    cluster.call_timeout = 1.0
+
+    def slow():
+        time.sleep(30)
+
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerHung, match="cancelled on every rank; the cluster is still usable") as info:
+            cluster.run(slow)
+        assert time.monotonic() - start < 1.0 + 5
+        assert info.value.ranks == [0, 1] and not info.value.cluster_broken
+        assert all("in slow\n    time.sleep(30)" in info.value.stacks[r] for r in (0, 1))
+    finally:
+        cluster.call_timeout = None
+    assert cluster.run(lambda: "ok") == ["ok", "ok"]
+
+
 # -- tests that break their cluster ------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_keyboard_interrupt_breaks_the_cluster_and_stops_workers(cluster):
+def test_keyboard_interrupt_with_a_rank_in_a_collective_shuts_down_quickly(cluster):
     pids = _pids(cluster)
-    timer = threading.Timer(1.0, _thread.interrupt_main)
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run(time.sleep, 30)
+
+    def fn():
+        if context().rank == 0:
+            time.sleep(30)
+        dist.barrier()  # rank 1 waits here for rank 0, in C++, where no signal reaches it
+
+    fired = _interrupt_after(1.5)
+    with pytest.raises(KeyboardInterrupt) as info:
+        cluster.run(fn)
+    assert time.monotonic() - fired["at"] < 5
+    assert "ranks [1] did not stop" in "".join(info.value.__notes__)
     assert cluster.closed and _all_gone(pids)
     with pytest.raises(ClusterBroken, match="interrupted.*relaunch with rlkit.launch"):
         cluster.run(lambda: 1)
+
+
+@pytest.mark.timeout(60)
+def test_rank_stuck_in_a_collective_is_reported_with_its_stack_within_hang_timeout(cluster):
+    cluster.hang_timeout = 2.0
+    pids = _pids(cluster)
+
+    def fn():
+        if context().rank == 0:
+            dist.barrier()  # rank 1 never enters it
+        return context().rank
+
+    start = time.monotonic()
+    with pytest.raises(WorkerHung) as info:
+        cluster.run(fn)
+    assert time.monotonic() - start < 2.0 + 5
+    assert info.value.ranks == [0] and info.value.cluster_broken
+    assert "hang_timeout=2 s after rank 1 returned" in str(info.value)
+    assert "dist.barrier()" in info.value.stacks[0] and "in fn" in info.value.stacks[0]
+    assert _all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_all_ranks_stuck_are_reported_after_call_timeout(cluster):
+    cluster.call_timeout = 2.0
+    pids = _pids(cluster)
+
+    def fn():
+        peer = 1 - context().rank
+        dist.recv(torch.empty(1), src=peer)  # both ranks wait for the other
+
+    start = time.monotonic()
+    with pytest.raises(WorkerHung, match=r"ranks \[0, 1\] hung: the call ran longer than call_timeout=2 s") as info:
+        cluster.run(fn)
+    assert time.monotonic() - start < 2.0 + 5
+    assert all("dist.recv(" in info.value.stacks[r] for r in (0, 1))
+    assert _all_gone(pids)
 
 
 @pytest.mark.timeout(60)
@@ -306,7 +413,7 @@ def test_killed_worker_raises_worker_died_quickly(cluster):
 
 @pytest.mark.timeout(60)
 def test_ranks_stuck_after_another_rank_failed_break_the_cluster(cluster):
-    cluster.error_grace_s = 1.0
+    cluster.hang_timeout = 1.0
     pids = _pids(cluster)
 
     def fn():
@@ -314,8 +421,12 @@ def test_ranks_stuck_after_another_rank_failed_break_the_cluster(cluster):
             raise RuntimeError("rank 1 gives up")
         dist.barrier()  # never completes: rank 1 is gone from the collective
 
-    with pytest.raises(RemoteError, match=r"ranks \[0\] did not finish"):
+    with pytest.raises(RemoteError) as info:
         cluster.run(fn)
+    message = str(info.value)
+    assert info.value.ranks == [1] and "RuntimeError: rank 1 gives up" in message
+    assert "Ranks [0] still running hang_timeout=1 s after rank 1 raised" in message
+    assert "cluster was shut down" in message and "dist.barrier()" in message
     assert _all_gone(pids)
 
 

@@ -15,6 +15,8 @@ class SamplingParams:
     """Completions per prompt."""
     max_new_tokens: int
     """T, the response width every engine pads to."""
+    min_new_tokens: int = 0
+    """End-of-text is not sampled before this many tokens."""
     temperature: float
     top_p: float
     seed: int

@@ -37,6 +37,7 @@ class HFEngine:
             top_k=0,
             num_return_sequences=params.n,
             max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
             output_logits=True,

@@ -1,33 +1,64 @@
-"""``Cluster``: run a function on every rank (SPMD), watch the workers, shut them down."""
+"""``Cluster``: run a function on every rank (SPMD), watch the call, shut the workers down.
+
+The cluster is the same for every backend; a backend (``LocalBackend``, ``RayBackend``) moves the
+calls and results and manages the workers.
+
+Watching a call: a worker that dies is reported at once (``WorkerDied``). A call is declared hung
+(``WorkerHung``, or ``RemoteError`` when another rank raised) when some ranks are still running
+``hang_timeout`` seconds after another rank finished it (returned or raised): the signature of a
+rank stuck in a collective that the others never entered. ``call_timeout`` (off by default) bounds
+every call, which also catches all ranks stuck at once. The hung ranks' Python stacks go into
+the error; they are then cancelled, and if they do not stop (blocked inside a collective) the
+cluster is shut down. A KeyboardInterrupt (the notebook's stop button) cancels the call the same
+way, so the kernel gets control back within seconds.
+"""
 
 from __future__ import annotations
 
-import glob
 import itertools
 import logging
-import os
+import math
 import pickle
 import secrets
-import tempfile
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import pandas as pd
 
-from rlkit.runtime import local, transport
-from rlkit.runtime.channel import ControlListener
-from rlkit.runtime.errors import RELAUNCH_HINT, ClusterBroken, RankFailure, RemoteError
+from rlkit.runtime import transport
+from rlkit.runtime.core import CANCELLED
+from rlkit.runtime.errors import RELAUNCH_HINT, ClusterBroken, RankFailure, RemoteError, WorkerDied, WorkerHung
 from rlkit.runtime.logs import OutputForwarder
 
 logger = logging.getLogger(__name__)
 
-_STRAGGLER_WARN_S = 2.0
-STATUS_COLUMNS = ["rank", "pid", "host", "device", "alive", "busy", "heartbeat_age_s", "rss_mb"]
+CANCEL_GRACE_S = 2.0  # how long cancelled ranks get to stop before the cluster is shut down
+STACKS_WAIT_S = 2.0
+STATUS_COLUMNS = ["rank", "pid", "host", "device", "alive", "busy", "call", "heartbeat_age_s",
+                  "rss_mb"]
+
+
+class Backend(Protocol):
+    """What ``Cluster`` needs from a backend (see ``LocalBackend`` for the reference)."""
+
+    world_size: int
+    device: str
+    output: OutputForwarder
+    address: Any
+
+    def encode(self, fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, Any]]]) -> list[Any]: ...
+    def send(self, call_id: int, payloads: list[Any]) -> None: ...
+    def poll(self, timeout: float) -> list[tuple[int, int, bool, Any]]: ...
+    def end_call(self) -> None: ...
+    def cancel(self, call_id: int, ranks: list[int]) -> None: ...
+    def stacks(self, ranks: list[int], timeout: float) -> dict[int, str]: ...
+    def find_dead(self, during: str) -> WorkerDied | None: ...
+    def rows(self) -> list[dict[str, Any]]: ...
+    def stop(self) -> None: ...
 
 
 class PerRank:
@@ -44,43 +75,55 @@ class PerRank:
         return f"PerRank({self.items!r})"
 
 
+@dataclass
+class _Call:
+    """One call in flight: what came back so far."""
+
+    id: int
+    name: str
+    started: float = field(default_factory=time.monotonic)
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+    first_done: tuple[float, int, str] | None = None  # (when, rank, "returned"/"raised")
+
+    def take(self, rank: int, ok: bool, value: Any) -> None:
+        if self.first_done is None:
+            self.first_done = (time.monotonic(), rank, "returned" if ok else "raised")
+        if ok:
+            self.results[rank] = value
+        else:
+            self.failures.append(value)
+
+    def running(self, world_size: int) -> list[int]:
+        finished = set(self.results) | {f.rank for f in self.failures}
+        return [r for r in range(world_size) if r not in finished]
+
+
 class Cluster:
     """Workers started by ``rlkit.launch``; use ``run``, ``status`` and ``shutdown``.
 
-    If one rank raises while others are still running (typically blocked in a collective that
-    the failed rank never reached), ``run`` waits ``error_grace_s`` seconds for them, then shuts
-    the cluster down and raises.
+    ``hang_timeout`` (seconds) and ``call_timeout`` (seconds or None) can be changed at any time;
+    see the module docstring.
     """
 
-    error_grace_s: float = 30.0
-
-    def __init__(self, world_size: int, *, device: str, timeout: float,
-                 log_dir: str | os.PathLike | None, env: dict[str, str] | None) -> None:
+    def __init__(self, make_backend: Callable[[str], Backend], *, hang_timeout: float,
+                 call_timeout: float | None) -> None:
         self.id = secrets.token_hex(6)
-        self.world_size = world_size
-        self.log_dir = Path(log_dir) if log_dir is not None else Path(
-            tempfile.mkdtemp(prefix=f"rlkit-{self.id}-logs-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._shm_prefix = f"{transport.shm_dir()}/rlkit-{self.id}-"
-        self._workers: list[local.Worker] = []
-        self._output = OutputForwarder()
+        self.hang_timeout = hang_timeout
+        self.call_timeout = call_timeout
         self._io_lock = threading.Lock()  # one thread at a time talks to the workers
         self._call_ids = itertools.count()
+        self._call: _Call | None = None
         self._broken: str | None = None
         self._closed = False
-        self._listener = ControlListener()
-        self.address: tuple[str, int] = self._listener.address
+        self._backend = make_backend(self.id)
         # Stops the workers if this object is garbage-collected without shutdown().
-        self._finalizer = weakref.finalize(self, _teardown, self._workers, self._listener,
-                                           self._output, self._shm_prefix)
-        try:
-            self.device = local.start(
-                self._workers, self._listener, world_size=world_size, device=device,
-                timeout=timeout, log_dir=self.log_dir, env=env, shm_prefix=self._shm_prefix,
-                output=self._output)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._finalizer = weakref.finalize(self, self._backend.stop)
+
+    world_size = property(lambda self: self._backend.world_size)
+    device = property(lambda self: self._backend.device)
+    log_dir = property(lambda self: self._backend.log_dir, doc="where the rank<N>.log files are")
+    address = property(lambda self: self._backend.address, doc="the control address")
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -88,24 +131,22 @@ class Cluster:
         """Call ``fn(*args, **kwargs)`` on every rank; returns one result per rank, in rank order.
 
         Arguments wrapped in ``PerRank`` give each rank its own item. Everything travels by value
-        (cloudpickle; tensors through shared memory). Raises ``RemoteError`` if any rank raised,
-        ``WorkerDied`` if a worker died (the cluster is then broken).
+        (cloudpickle; tensors through shared memory or the object store). Raises ``RemoteError``
+        if any rank raised, ``WorkerDied`` if a worker died, ``WorkerHung`` if ranks hung (see
+        the module docstring); KeyboardInterrupt cancels the call on every rank.
         """
         self._check_usable()
         if not callable(fn):
             raise TypeError(f"cluster.run needs a callable, got {type(fn).__name__}")
         per_rank = self._split(args, kwargs)
-        payloads, files = self._pickle_calls(fn, per_rank)
         if not self._io_lock.acquire(blocking=False):
-            files.remove()
             raise RuntimeError("another cluster.run is in progress (in another thread)")
         try:
-            return self._call(payloads, files)
-        except KeyboardInterrupt:
-            self._break("a call was interrupted by KeyboardInterrupt")
-            raise
+            payloads = self._encode(fn, per_rank)
+            return self._run(_Call(next(self._call_ids), _name(fn)), payloads)
         finally:
-            files.remove()
+            self._backend.end_call()
+            self._call = None
             self._io_lock.release()
 
     def _split(self, args: tuple, kwargs: dict[str, Any]) -> list[tuple[tuple, dict[str, Any]]]:
@@ -122,112 +163,112 @@ class Cluster:
         return [(tuple(pick(v, r) for v in args), {k: pick(v, r) for k, v in kwargs.items()})
                 for r in range(self.world_size)]
 
-    def _pickle_calls(self, fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, Any]]]
-                      ) -> tuple[list[bytes], transport.TensorFiles]:
-        """Pickle every rank's call before sending anything; tensors shared by ranks are written once."""
-        files = transport.TensorFiles(self._shm_prefix, reader_unlinks=False)
-        payloads = []
-        for rank, (args, kwargs) in enumerate(per_rank):
-            try:
-                payloads.append(transport.dumps((fn, args, kwargs), files))
-            except Exception as exc:
-                files.remove()
-                raise _unpicklable(fn, args, kwargs, rank, exc) from exc
-            except BaseException:
-                files.remove()
-                raise
-        return payloads, files
+    def _encode(self, fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, Any]]]) -> list[Any]:
+        """Pickle every rank's call before sending anything, with a clear error if it cannot be."""
+        try:
+            return self._backend.encode(fn, per_rank)
+        except Exception as exc:
+            raise _unpicklable(fn, per_rank, exc) from exc
 
-    def _call(self, payloads: list[bytes], files: transport.TensorFiles) -> list[Any]:
-        call_id = next(self._call_ids)
-        self._output.hold()
+    def _run(self, call: _Call, payloads: list[Any]) -> list[Any]:
+        output = self._backend.output
+        self._call = call
+        output.hold()
         finished = False
         try:
-            for worker, payload in zip(self._workers, payloads):
-                worker.busy = True
-                try:
-                    worker.conn.send(("call", call_id, payload))
-                except OSError:
-                    worker.disconnected = True
-            results, failures = self._collect(call_id, files)
+            try:
+                self._backend.send(call.id, payloads)
+                self._collect(call)
+            except KeyboardInterrupt as exc:
+                exc.add_note(self._cancel(call, "the call was interrupted (KeyboardInterrupt)"))
+                raise
             finished = True
         finally:
-            self._output.release(call_id if finished else None)
-        if failures:
-            raise RemoteError(failures)
-        return [results[rank] for rank in range(self.world_size)]
+            output.release(call.id if finished else None)
+        if call.failures:
+            raise RemoteError(call.failures)
+        return [call.results[rank] for rank in range(self.world_size)]
 
-    def _collect(self, call_id: int, files: transport.TensorFiles
-                 ) -> tuple[dict[int, Any], list[RankFailure]]:
-        results: dict[int, Any] = {}
-        failures: list[RankFailure] = []
-        loaded: set[int] = set()
-        failed_at: float | None = None
-        warned = False
-        while len(results) + len(failures) < self.world_size:
-            for worker, msg in local.receive(self._workers, 0.2):
-                if msg[0] == "loaded" and msg[1] == call_id:
-                    loaded.add(worker.rank)
-                    if len(loaded) == self.world_size:  # every rank has mapped the arguments
-                        files.remove()
-                elif msg[0] == "result" and msg[1] == call_id:
-                    worker.busy = False
-                    self._take_result(worker, msg[2], msg[3], results, failures)
-            self._output.flush()
-            if self._closed:
-                raise ClusterBroken(f"the cluster was shut down during the call: {RELAUNCH_HINT}")
-            dead = local.find_dead(self._workers)
-            if dead is not None:
-                error = local.died(dead, "a call", self._output)
-                self._break(f"rank {dead.rank} died")
-                raise error
-            if failures:
-                failed_at = failed_at or time.monotonic()
-                warned = self._check_stragglers(failures, time.monotonic() - failed_at, warned)
-        return results, failures
+    def _collect(self, call: _Call) -> None:
+        while call.running(self.world_size):
+            self._receive(call, 0.2)
+            self._watch(call)
 
-    def _check_stragglers(self, failures: list[RankFailure], waited: float, warned: bool) -> bool:
-        """After a rank failed, the others get ``error_grace_s``, then the cluster is broken.
-        Warns once (returns True once it has warned)."""
-        stuck = [w.rank for w in self._workers if w.busy]
-        if waited > self.error_grace_s:
-            self._break(f"ranks {stuck} did not finish after rank {failures[0].rank} failed")
-            raise RemoteError(failures, note=(
-                f"ranks {stuck} did not finish within {self.error_grace_s:g} s after that "
-                f"(blocked in a collective?), so the cluster was shut down: {RELAUNCH_HINT}"))
-        if waited > _STRAGGLER_WARN_S and not warned:
-            logger.warning("rank %d raised %s; waiting up to %g s for ranks %s", failures[0].rank,
-                           failures[0].exc_type, self.error_grace_s, stuck)
-            return True
-        return warned
+    def _receive(self, call: _Call, timeout: float) -> None:
+        """Take the results that came back; raise if the cluster died under the call."""
+        for rank, call_id, ok, value in self._backend.poll(timeout):
+            if call_id == call.id:
+                call.take(rank, ok, value)
+        self._backend.output.flush()
+        if self._closed:
+            raise ClusterBroken(f"the cluster was shut down during the call: {RELAUNCH_HINT}")
+        dead = self._backend.find_dead("a call")
+        if dead is not None:
+            self._break(f"rank {dead.rank} died")
+            raise dead
 
-    @staticmethod
-    def _take_result(worker: local.Worker, ok: bool, data: Any, results: dict[int, Any],
-                     failures: list[RankFailure]) -> None:
-        if not ok:
-            failures.append(RankFailure(worker.rank, worker.host, worker.device, data["type"],
-                                        data["message"], data["traceback"]))
-            return
+    def _watch(self, call: _Call) -> None:
+        """Raise if the call hung: see the module docstring."""
+        now = time.monotonic()
+        if self.call_timeout is not None and now - call.started > self.call_timeout:
+            self._hung(call, f"the call ran longer than call_timeout={self.call_timeout:g} s")
+        if call.first_done is not None and now - call.first_done[0] > self.hang_timeout:
+            _, rank, how = call.first_done
+            self._hung(call, f"still running hang_timeout={self.hang_timeout:g} s after rank "
+                             f"{rank} {how} (blocked in a collective that rank never entered?)")
+
+    def _hung(self, call: _Call, reason: str) -> None:
+        ranks = call.running(self.world_size)
+        logger.warning("ranks %s of call %s: %s; collecting their stacks", ranks, call.name, reason)
+        stacks = self._backend.stacks(ranks, STACKS_WAIT_S)
+        outcome = self._cancel(call, f"ranks {ranks} hung")
+        broken = self._broken is not None
+        if call.failures:
+            stack_text = "\n".join(f"\nStacks of rank {r}:\n{stacks[r] or '(no answer)'}" for r in ranks)
+            raise RemoteError(call.failures, note=f"Ranks {ranks} {reason}. {outcome}{stack_text}")
+        raise WorkerHung(ranks, reason, stacks, cluster_broken=broken, log_dir=str(self.log_dir))
+
+    def _cancel(self, call: _Call, reason: str) -> str:
+        """Cancel the call on the ranks still running it; if they do not all stop within
+        ``CANCEL_GRACE_S`` (or a second KeyboardInterrupt comes), shut the cluster down.
+        Returns a sentence saying which happened."""
+        running = call.running(self.world_size)
         try:
-            results[worker.rank] = transport.loads(data)
-        except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
-            failures.append(RankFailure(
-                worker.rank, worker.host, worker.device, type(exc).__name__,
-                f"its result cannot be loaded in the controller: {exc}", traceback.format_exc()))
+            self._backend.cancel(call.id, running)
+            deadline = time.monotonic() + CANCEL_GRACE_S
+            while call.running(self.world_size) and time.monotonic() < deadline:
+                self._receive(call, 0.1)
+        except KeyboardInterrupt:
+            pass
+        except (WorkerDied, ClusterBroken) as exc:
+            return f"While cancelling it: {exc}"
+        still = call.running(self.world_size)
+        if still:
+            self._break(f"{reason}; ranks {still} could not be cancelled")
+            return (f"rlkit: ranks {still} did not stop within {CANCEL_GRACE_S:g} s of being "
+                    f"cancelled (blocked in a collective?), so the cluster was shut down: {RELAUNCH_HINT}")
+        call.failures = [f for f in call.failures if f.exc_type != CANCELLED]
+        logger.warning("%s: cancelled ranks %s; the cluster is still usable", reason, running)
+        return f"rlkit: the call was cancelled on ranks {running}; the cluster is still usable."
 
     # -- state ---------------------------------------------------------------------------------
 
     def status(self) -> pd.DataFrame:
-        """One row per rank: rank, pid, host, device, alive, busy, heartbeat_age_s, rss_mb."""
+        """One row per rank: rank, pid, host, device, alive, busy, call (the function it runs),
+        heartbeat_age_s, rss_mb."""
         if self._io_lock.acquire(blocking=False):  # during a call, run() keeps the rows fresh
             try:
-                for worker, msg in local.receive(self._workers, 0):
-                    logger.debug("rank %d: ignored %r outside a call", worker.rank, msg[0])
+                for rank, call_id, _, _ in self._backend.poll(0):
+                    logger.debug("rank %d: ignored a result of call %d outside a call", rank, call_id)
             finally:
                 self._io_lock.release()
-        now = time.time()
-        rows = [[w.rank, w.pid, w.host, w.device, local.exit_code(w.proc) is None, w.busy,
-                 now - w.heartbeat, w.rss_mb] for w in self._workers]
+        call, now = self._call, time.time()
+        rows = []
+        for row in self._backend.rows():
+            name = call.name if call is not None and row["busy"] else None
+            age = now - row["heartbeat"] if not math.isnan(row["heartbeat"]) else math.nan
+            rows.append([row["rank"], row["pid"], row["host"], row["device"], row["alive"],
+                         row["busy"], name, age, row["rss_mb"]])
         return pd.DataFrame(rows, columns=STATUS_COLUMNS)
 
     @property
@@ -249,8 +290,8 @@ class Cluster:
     # -- lifetime ------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop every worker (ask, then SIGTERM, then SIGKILL) and remove leftover shared-memory
-        files. Idempotent."""
+        """Stop every worker (ask, then SIGTERM, then SIGKILL; Ray: kill the actors) and free
+        what the cluster holds. Idempotent."""
         self._closed = True
         self._finalizer()
 
@@ -262,35 +303,34 @@ class Cluster:
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else "shut down" if self._closed else "running"
-        return (f"Cluster(id={self.id!r}, world_size={self.world_size}, "
-                f"device={getattr(self, 'device', '?')!r}, {state}, log_dir='{self.log_dir}')")
+        return (f"Cluster(id={self.id!r}, backend={type(self._backend).__name__}, "
+                f"world_size={self.world_size}, device={self.device!r}, {state}, "
+                f"log_dir='{self.log_dir}')")
 
 
-def _teardown(workers: list[local.Worker], listener: ControlListener, output: OutputForwarder,
-              shm_prefix: str) -> None:
-    """Stop the workers, forward their last output, delete this cluster's shared-memory files."""
-    listener.close()
-    local.stop(workers)
-    output.join(timeout=2.0)
-    output.release(None)
-    for path in glob.glob(glob.escape(shm_prefix) + "*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+def _name(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
+    return f"{module}.{qualname}" if module not in (None, "__main__") else qualname
 
 
-def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], rank: int,
+def _unpicklable(fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, Any]]],
                  exc: Exception) -> pickle.PicklingError:
     """A clear error naming the function or argument that cannot be sent."""
     def kind(value: Any) -> str:
         cls = type(value)
         return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
-    named = [(f"the function {getattr(fn, '__qualname__', repr(fn))}", fn)]
-    named += [(f"argument {i} ({kind(v)})", v) for i, v in enumerate(args)]
-    named += [(f"keyword argument {k!r} ({kind(v)})", v) for k, v in kwargs.items()]
-    what, error = transport.find_unpicklable(named) or ("the call", exc)
+    for rank, (args, kwargs) in enumerate(per_rank):
+        named = [(f"the function {getattr(fn, '__qualname__', repr(fn))}", fn)]
+        named += [(f"argument {i} ({kind(v)})", v) for i, v in enumerate(args)]
+        named += [(f"keyword argument {k!r} ({kind(v)})", v) for k, v in kwargs.items()]
+        found = transport.find_unpicklable(named)
+        if found is not None:
+            what, error = found
+            break
+    else:
+        rank, what, error = 0, "the call", exc
     return pickle.PicklingError(
         f"cannot send {what} to the workers (for rank {rank}): {type(error).__name__}: {error}. "
         "Functions and arguments travel by value (cloudpickle): pass picklable data, or build "

@@ -49,15 +49,40 @@ class WorkerDied(RuntimeError):
     """A worker process exited (crash, kill, out-of-memory) while the controller needed it."""
 
     def __init__(self, rank: int, pid: int, exit_code: int | None, *, during: str,
-                 log_path: str = "", log_tail: str = "", cluster_broken: bool = True) -> None:
+                 cause: str = "", log_path: str = "", log_tail: str = "",
+                 cluster_broken: bool = True) -> None:
         self.rank, self.pid, self.exit_code = rank, pid, exit_code
-        lines = [f"rank {rank} (pid {pid}) died during {during}: {describe_exit(exit_code)}."]
+        lines = [f"rank {rank} (pid {pid}) died during {during}: {cause or describe_exit(exit_code)}."]
         if log_tail:
             lines += [f"Last lines of {log_path}:", log_tail.rstrip()]
         elif log_path:
             lines.append(f"Its output is in {log_path}.")
         if cluster_broken:
             lines.append(f"The cluster is broken: {RELAUNCH_HINT}")
+        super().__init__("\n".join(lines))
+
+
+class WorkerHung(TimeoutError):
+    """Ranks still running a call past a timeout (``Cluster.hang_timeout`` or ``call_timeout``).
+
+    ``stacks`` maps each hung rank to its Python stacks at detection time ('' if it did not answer);
+    ``cluster_broken`` says whether the cluster had to be shut down (ranks that could not be
+    cancelled, typically blocked in a collective) or is still usable.
+    """
+
+    def __init__(self, ranks: list[int], reason: str, stacks: dict[int, str], *,
+                 cluster_broken: bool, log_dir: str = "") -> None:
+        self.ranks, self.stacks, self.cluster_broken = ranks, stacks, cluster_broken
+        lines = [f"ranks {ranks} hung: {reason}."]
+        if cluster_broken:
+            lines.append(f"They could not be cancelled, so the cluster was shut down: {RELAUNCH_HINT}")
+        else:
+            lines.append("The call was cancelled on every rank; the cluster is still usable.")
+        if log_dir:
+            lines.append(f"Worker logs: {log_dir}")
+        for rank in ranks:
+            stack = stacks.get(rank) or "(no stack: the rank did not answer)"
+            lines += ["", f"Stacks of rank {rank}:", stack.rstrip()]
         super().__init__("\n".join(lines))
 
 

@@ -66,7 +66,7 @@ def start(workers: list[Worker], listener: ControlListener, *, world_size: int, 
     deadline = time.monotonic() + timeout
     cuda_devices = _await_hellos(workers, listener, deadline, output)
     listener.seal()
-    kind = _choose_device(device, cuda_devices, world_size)
+    kind = choose_device(device, cuda_devices, world_size)
     config = {"device": kind, "sys_path": list(sys.path), "shm_prefix": shm_prefix}
     for worker in workers:
         try:
@@ -136,7 +136,8 @@ def _await_hellos(workers: list[Worker], listener: ControlListener, deadline: fl
     return infos[0]["cuda_devices"]
 
 
-def _choose_device(requested: str, cuda_devices: int, world_size: int) -> str:
+def choose_device(requested: str, cuda_devices: int, world_size: int) -> str:
+    """"cpu" or "cuda" for a requested device, given how many GPUs the workers see."""
     if requested == "cpu" or (requested == "auto" and cuda_devices == 0):
         return "cpu"
     if cuda_devices < world_size:

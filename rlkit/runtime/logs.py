@@ -1,5 +1,6 @@
 """Worker output: each rank's stdout/stderr go to ``<log_dir>/rank<N>.log`` and, with a
-``[rank N] `` prefix and a rate limit, to the controller's ``sys.stdout``.
+``[rank N] `` prefix and a rate limit, to the controller's ``sys.stdout``. The lines come from the
+worker's pipe, read by a thread (local backend), or are handed over by the backend (``feed``, Ray).
 
 During a call the lines are queued and written by the caller's thread (``hold``/``flush``/
 ``release``), so notebook front-ends, which attribute output by thread, attach them to the running
@@ -92,25 +93,44 @@ class OutputForwarder:
     def _read(self, stream: _Stream, pipe: IO[bytes]) -> None:
         with pipe, open(stream.log_path, "a", encoding="utf-8") as log:
             for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", "replace")
-                done = _DONE_RE.findall(line)
-                if done:
-                    line = _DONE_RE.sub("", line)
-                if line and not line.endswith("\n"):
-                    line += "\n"
-                if line:
-                    log.write(line)
-                    log.flush()
-                with self._cond:
-                    if line:
-                        self._forward(stream, line)
-                    if done:
-                        stream.done_call = int(done[-1])
-                        self._cond.notify_all()
+                self._take(stream, raw.decode("utf-8", "replace"), log)
+        self.close(stream.rank)
+
+    def add(self, rank: int, log_path: Path) -> None:
+        """Forward ``rank``'s output given to ``feed`` (no pipe to read)."""
+        self._streams[rank] = _Stream(rank, log_path)
+
+    def feed(self, rank: int, lines: list[str]) -> None:
+        """Take lines (each ending in a newline) of ``rank``'s output."""
+        stream = self._streams[rank]
+        with open(stream.log_path, "a", encoding="utf-8") as log:
+            for line in lines:
+                self._take(stream, line, log)
+
+    def close(self, rank: int) -> None:
+        """``rank``'s output has ended (its process is gone)."""
+        stream = self._streams[rank]
         with self._cond:
             self._report_dropped(stream)
             stream.eof = True
             self._cond.notify_all()
+
+    def _take(self, stream: _Stream, line: str, log: IO[str]) -> None:
+        """Log one line, forward it, and note the end-of-call marker it may carry."""
+        done = _DONE_RE.findall(line)
+        if done:
+            line = _DONE_RE.sub("", line)
+        if line and not line.endswith("\n"):
+            line += "\n"
+        if line:
+            log.write(line)
+            log.flush()
+        with self._cond:
+            if line:
+                self._forward(stream, line)
+            if done:
+                stream.done_call = int(done[-1])
+                self._cond.notify_all()
 
     def _forward(self, stream: _Stream, line: str) -> None:
         now = time.monotonic()

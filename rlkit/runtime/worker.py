@@ -2,9 +2,10 @@
 
 A fresh process started by the controller in its own session (so a Ctrl-C aimed at the kernel
 does not reach it). It reads the channel secret from stdin, connects back, reports what it sees,
-joins the torch.distributed process group (gloo on CPU, nccl on CUDA), then runs the calls it
-receives one at a time on its main thread. It exits when told to, and at once when the control
-connection closes (the controller is gone), so it never outlives the controller.
+joins the torch.distributed process group (gloo on CPU, nccl on CUDA) through its ``WorkerCore``,
+then runs the calls it receives one at a time on its main thread. A receiving thread handles
+"cancel" and "stacks" requests while a call runs. The process exits when told to, and at once
+when the control connection closes (the controller is gone), so it never outlives the controller.
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from rlkit.runtime import transport
 from rlkit.runtime.channel import WorkerChannel, read_authkey
-from rlkit.runtime.context import WorkerContext, set_context
+from rlkit.runtime.core import WorkerCore, error_info, rss_mb
 from rlkit.runtime.logs import DONE_MARKER
 
 logger = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(1)
     authkey = read_authkey()
     rank = int(os.environ["RANK"])
-    _configure_logging(rank)
+    configure_logging(rank)
     host, port = args.address.rsplit(":", 1)
     try:
         channel = WorkerChannel(Client((host, int(port)), authkey=authkey))
@@ -64,17 +63,18 @@ def main(argv: list[str] | None = None) -> None:
     if msg[0] != "init":  # stopped before start-up finished
         os._exit(0)
     config = msg[1]
+    core = WorkerCore(rank)
     try:
-        ctx = _join(rank, config)
+        ctx = core.join(config)
     except Exception as exc:  # noqa: BLE001 - reported to the controller, which raises it
-        channel.send(("failed", _error_info(exc)))
+        channel.send(("failed", error_info(exc)))
         os._exit(1)
-    set_context(ctx)
     inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-    threading.Thread(target=_receive, args=(channel, inbox), name="rlkit-receive", daemon=True).start()
+    threading.Thread(target=_receive, args=(channel, inbox, core), name="rlkit-receive",
+                     daemon=True).start()
     threading.Thread(target=_heartbeat, args=(channel,), name="rlkit-heartbeat", daemon=True).start()
-    channel.send(("ready", {"device": str(ctx.device), "rss_mb": _rss_mb()}))
-    _serve(channel, inbox, config["shm_prefix"])
+    channel.send(("ready", {"device": str(ctx.device), "rss_mb": rss_mb()}))
+    _serve(channel, inbox, core, config["shm_prefix"])
     _exit()
 
 
@@ -87,7 +87,7 @@ def _die_with_parent() -> None:
             logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
 
 
-def _configure_logging(rank: int) -> None:
+def configure_logging(rank: int) -> None:
     """Log to stderr (which the controller forwards as ``[rank N] ...``); every record gets a
     ``rank`` attribute. rlkit's own level comes from RLKIT_LOG_LEVEL (default INFO)."""
     make_record = logging.getLogRecordFactory()
@@ -102,29 +102,20 @@ def _configure_logging(rank: int) -> None:
     logging.getLogger("rlkit").setLevel(os.environ.get("RLKIT_LOG_LEVEL", "INFO").upper())
 
 
-def _join(rank: int, config: dict[str, Any]) -> WorkerContext:
-    """Take the controller's sys.path (so its modules import here too) and join the process group."""
-    sys.path[:] = config["sys_path"] + [p for p in sys.path if p not in config["sys_path"]]
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if config["device"] == "cuda":
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        dist.init_process_group(backend, device_id=device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        dist.init_process_group(backend)
-    return WorkerContext(rank=rank, world_size=dist.get_world_size(), local_rank=local_rank,
-                         device=device, backend=backend, host=socket.gethostname())
-
-
-def _receive(channel: WorkerChannel, inbox: queue.SimpleQueue) -> None:
-    """Pass messages to the main thread; exit the process when the controller goes away."""
+def _receive(channel: WorkerChannel, inbox: queue.SimpleQueue, core: WorkerCore) -> None:
+    """Answer "cancel" and "stacks" here, pass the rest to the main thread; exit the process when
+    the controller goes away."""
     while True:
         try:
             msg = channel.recv()
         except (EOFError, OSError):
             os._exit(1)
-        inbox.put(msg)
+        if msg[0] == "cancel":
+            core.cancel(msg[1])
+        elif msg[0] == "stacks":
+            channel.send(("stacks", core.stacks()))
+        else:
+            inbox.put(msg)
         if msg[0] == "shutdown":
             return
 
@@ -132,52 +123,44 @@ def _receive(channel: WorkerChannel, inbox: queue.SimpleQueue) -> None:
 def _heartbeat(channel: WorkerChannel) -> None:
     while True:
         try:
-            channel.send(("heartbeat", time.time(), _rss_mb()))
+            channel.send(("heartbeat", time.time(), rss_mb()))
         except OSError:
             return
         time.sleep(HEARTBEAT_S)
 
 
-def _rss_mb() -> float:
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _serve(channel: WorkerChannel, inbox: queue.SimpleQueue, shm_prefix: str) -> None:
+def _serve(channel: WorkerChannel, inbox: queue.SimpleQueue, core: WorkerCore,
+           shm_prefix: str) -> None:
     while True:
         msg = inbox.get()
         if msg[0] == "shutdown":
             return
         _, call_id, payload = msg
-        ok, reply = _execute(channel, call_id, payload, shm_prefix)
+        ok, reply = _execute(channel, core, call_id, payload, shm_prefix)
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(1, f"{DONE_MARKER}{call_id}\n".encode())
         channel.send(("result", call_id, ok, reply))
 
 
-def _execute(channel: WorkerChannel, call_id: int, payload: bytes, shm_prefix: str) -> tuple[bool, Any]:
+def _execute(channel: WorkerChannel, core: WorkerCore, call_id: int, payload: bytes,
+             shm_prefix: str) -> tuple[bool, Any]:
     """Run one call; (True, pickled result) or (False, error info)."""
     try:
         fn, args, kwargs = transport.loads(payload)
+    except Exception as exc:  # noqa: BLE001 - reported to the controller
+        return False, error_info(exc, "the call cannot be loaded on the worker: ")
+    finally:
         channel.send(("loaded", call_id))
-        result = fn(*args, **kwargs)
-    except (Exception, SystemExit) as exc:
-        return False, _error_info(exc)
+    ok, result = core.run_call(call_id, fn, args, kwargs)
+    if not ok:
+        return False, result
     files = transport.TensorFiles(shm_prefix, reader_unlinks=True)
     try:
         return True, transport.dumps(result, files)
     except Exception as exc:  # noqa: BLE001 - reported to the controller
         files.remove()
-        return False, _error_info(exc, "the function returned, but its result cannot be sent back: ")
-
-
-def _error_info(exc: BaseException, prefix: str = "") -> dict[str, str]:
-    """Text of an exception, without this module's own frame."""
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-    cls = type(exc)
-    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    return {"type": name, "message": prefix + str(exc),
-            "traceback": "".join(traceback.format_exception(cls, exc, tb))}
+        return False, error_info(exc, "the function returned, but its result cannot be sent back: ")
 
 
 def _exit() -> None:

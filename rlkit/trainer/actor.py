@@ -21,9 +21,10 @@ STAT_NAMES = ("loss", "clipped", "kl", "tokens", "steps")
 
 @torch.no_grad()
 def batched_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, width: int, temperature: float, micro: int
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GRPOConfig
 ) -> torch.Tensor:
-    """[B, T] response log-probs in micro-batches of ``micro`` rows. Shapes: [B, P + T] in."""
+    """[B, T] response log-probs in micro-batches of ``config.micro_batch_size`` rows. Shapes: [B, P + T] in."""
+    micro, width, temperature = config.micro_batch_size, config.rollout.max_new_tokens, config.rollout.temperature
     parts = [
         response_logprobs(model, input_ids[i : i + micro], attention_mask[i : i + micro], width, temperature)
         for i in range(0, input_ids.shape[0], micro)
@@ -56,15 +57,7 @@ class Actor:
         return next(self.model.parameters()).device
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        return batched_logprobs(
-            self.model,
-            input_ids,
-            attention_mask,
-            width=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            micro=cfg.micro_batch_size,
-        )
+        return batched_logprobs(self.model, input_ids, attention_mask, self.config)
 
     def train_step(self, mini: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
         """One optimizer step on this rank's part of a mini-batch, accumulating micro-batch gradients.

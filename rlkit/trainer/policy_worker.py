@@ -85,6 +85,7 @@ class PolicyWorker:
         params = SamplingParams(
             n=cfg.group_size,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            min_new_tokens=cfg.rollout.min_new_tokens,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             seed=seed,
@@ -103,14 +104,7 @@ class PolicyWorker:
         ref_logprobs = None
         if self.reference is not None:
             with self.timed("reference"):
-                ref_logprobs = batched_logprobs(
-                    self.reference,
-                    input_ids,
-                    attention_mask,
-                    width=cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature,
-                    micro=cfg.micro_batch_size,
-                )
+                ref_logprobs = batched_logprobs(self.reference, input_ids, attention_mask, cfg)
             self.memory.mark("reference")
         return {
             "response_ids": gen.response_ids.cpu(),
