@@ -76,8 +76,9 @@ class Dashboard:
 
     def stop(self) -> None:
         """End the run after the step in progress (the Stop button)."""
-        self._runner.stop()
-        self._status.value = self._status.value + " · stopping after this step"
+        if self.running:
+            self._runner.stop()
+            self._status.value = self._status.value + " · stopping after this step"
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the current run ended (False if ``timeout`` seconds passed first)."""
