@@ -7,12 +7,12 @@ BIN := $(VENV)/bin
 # The CPU build of torch; on a GPU machine install your CUDA build of torch into the venv first.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test clean chromium
 
 demo: $(VENV)/.base
 	$(BIN)/rlkit train configs/grpo_tiny.toml --report reports/grpo_tiny.html
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev chromium
 	$(BIN)/python -m pytest --nbmake --nbmake-timeout=600 tests notebooks
 
 $(VENV)/.venv:
@@ -26,8 +26,13 @@ $(VENV)/.base: $(VENV)/.venv pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,browser]'
 	touch $@
+
+# Debian's Chromium for the browser test (tests/test_browser.py skips, saying why, where it cannot be installed).
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 
 clean:
 	rm -rf $(VENV) reports runs

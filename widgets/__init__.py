@@ -1,5 +1,24 @@
-"""rlkit.widgets: the notebook layer (ipywidgets + plotly). Depends on rlkit; rlkit never imports it."""
+"""rlkit.widgets: the notebook layer (ipywidgets + plotly). Depends on rlkit; rlkit never imports it.
 
-from rlkit.widgets.reward_plot import reward_figure
+Each view is built from recorded diagnostics data (or ``View.from_trainer(trainer)``), shows as a live widget in
+Jupyter and as plain HTML/text elsewhere, and exports to one offline HTML file with ``to_html(path)``.
+"""
 
-__all__ = ["reward_figure"]
+from rlkit.widgets.dashboard import Dashboard
+from rlkit.widgets.grads import GradNormView
+from rlkit.widgets.history import TrainingView, reward_figure
+from rlkit.widgets.lint import LintView
+from rlkit.widgets.memory import MemoryView
+from rlkit.widgets.rollouts import RolloutView
+from rlkit.widgets.sharding import ShardingView
+
+__all__ = [
+    "Dashboard",
+    "GradNormView",
+    "LintView",
+    "MemoryView",
+    "RolloutView",
+    "ShardingView",
+    "TrainingView",
+    "reward_figure",
+]

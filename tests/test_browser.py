@@ -1,0 +1,181 @@
+"""The quickstart notebook in a real browser: JupyterLab on loopback, Debian's headless Chromium driven by Playwright.
+
+Runs every cell above the last (the cluster's shutdown), clicks Step on the dashboard, checks that the plots
+rendered and the step counter advanced, and keeps a screenshot in reports/browser/ (the CI artifact). Nothing is
+downloaded: Chromium is the system's (``apt-get install chromium``), never ``playwright install``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = ROOT / "reports" / "browser"
+TABS = {"sharding": 1, "memory": 3, "grad norms": 2, "rollouts": 1, "lint": 0}  # figures drawn in each tab
+# JupyterLab settings: every cell in the DOM (no virtual scrolling), no news or update checks.
+SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason=f"no {CHROMIUM}: apt-get install chromium"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    """A JupyterLab server on 127.0.0.1 with a token, serving ``root``; its own settings and runtime folders."""
+
+    def __init__(self, root: Path, home: Path):
+        self.port, self.token = free_port(), secrets.token_hex(16)
+        for name, value in SETTINGS.items():
+            path = home / "settings" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(value))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+               "IPYTHONDIR": str(home / "ipython"), "JUPYTER_CONFIG_DIR": str(home / "config")}
+        self.log = (home / "lab.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+             "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+             f"--LabApp.user_settings_dir={home / 'settings'}", f"--LabApp.workspaces_dir={home / 'workspaces'}",
+             "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False", "--allow-root"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.api("status")
+                break
+            except OSError:
+                assert self.proc.poll() is None, f"JupyterLab exited; see {self.log.name}"
+                assert time.monotonic() < deadline, f"JupyterLab did not start; see {self.log.name}"
+                time.sleep(0.5)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{path}?token={self.token}"
+
+    def api(self, path: str):
+        with urllib.request.urlopen(self.url(f"api/{path}"), timeout=5) as response:
+            return json.load(response)
+
+    def kernels_idle(self) -> bool:
+        kernels = self.api("kernels")
+        return bool(kernels) and all(k["execution_state"] == "idle" for k in kernels)
+
+    def stop(self) -> None:
+        self.proc.terminate()  # the server shuts its kernels down; their workers die with them
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(poll)
+
+
+def step_count(page) -> int:
+    text = page.locator(".rlkit-dashboard .rlkit-step").inner_text()
+    return int(re.fullmatch(r"step (\d+)", text.strip()).group(1))
+
+
+def all_cells_done(page, lab: Lab, above: int) -> bool:
+    """The first ``above`` cells have run (a number in their prompt) and the kernel is idle."""
+    prompts = page.locator(".jp-Notebook .jp-Cell.jp-CodeCell .jp-InputPrompt").all_inner_texts()
+    counts = page.locator(".jp-Notebook .jp-Cell").evaluate_all(
+        "(cells, n) => cells.slice(0, n).filter(c => c.classList.contains('jp-CodeCell'))"
+        ".map(c => c.querySelector('.jp-InputPrompt').innerText)", above)
+    return all(re.search(r"\[\d+\]", c) for c in counts) and not any("*" in p for p in prompts) and lab.kernels_idle()
+
+
+def drive(page, lab: Lab, cells: int) -> None:
+    """Run the cells above the last, click Step, check the counter and the plots, take the screenshots."""
+    page.goto(lab.url("lab/tree/01_quickstart.ipynb"))
+    page.locator(".jp-Notebook .jp-Cell").last.wait_for(timeout=60_000)
+    wait_until(lab.kernels_idle, 60, "the kernel to start")
+    page.locator(".jp-Notebook .jp-Cell").last.click()  # everything above the last cell (cluster.shutdown())
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Above Selected Cell").click()
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+
+    def failed() -> list[str]:
+        return [e for e in errors.all_inner_texts() if "Traceback" in e or "Error" in e]
+
+    wait_until(lambda: all_cells_done(page, lab, cells - 1) or failed(), 300, "the cells above the shutdown")
+    assert not failed(), failed()
+    dashboard = page.locator(".rlkit-dashboard")
+    assert dashboard.count() == 1, "the dashboard cell shows no widget (is the widget front end missing?)"
+
+    before = step_count(page)
+    assert before > 0
+    plots = dashboard.locator(".js-plotly-plot .main-svg")
+    wait_until(lambda: plots.count() > 0, 30, "plotly to draw the dashboard's figures")
+    dashboard.locator("button", has_text="Step").click()
+    wait_until(lambda: step_count(page) == before + 1, 120, f"the step counter to reach {before + 1}")
+    wait_until(lambda: not dashboard.locator("button", has_text="Step").is_disabled(), 60, "the run to end")
+    dashboard.scroll_into_view_if_needed()
+    dashboard.screenshot(path=str(ARTIFACTS / "quickstart_dashboard.png"))
+    page.screenshot(path=str(ARTIFACTS / "quickstart_page.png"))
+    for tab, drawn in TABS.items():  # each tab draws its figures when shown
+        dashboard.locator(".lm-TabBar-tab", has_text=tab).click()
+        visible = dashboard.locator(".js-plotly-plot:visible .main-svg")
+        wait_until(lambda: visible.count() >= drawn, 30, f"the {tab} tab's figures")
+        dashboard.screenshot(path=str(ARTIFACTS / f"quickstart_tab_{tab.replace(' ', '_')}.png"))
+    assert "No findings" in dashboard.inner_text()
+
+    page.locator(".jp-Notebook .jp-Cell").last.click()  # cluster.shutdown()
+    page.keyboard.press("Shift+Enter")
+    wait_until(lab.kernels_idle, 60, "the shutdown cell")
+
+
+@pytest.mark.timeout(420)
+def test_quickstart_dashboard_in_chromium(tmp_path, widgets_in_kernels):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
+    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", notebooks)
+    cells = len(json.loads((notebooks / "01_quickstart.ipynb").read_text())["cells"])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab(notebooks, tmp_path / "lab")
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            try:
+                drive(page, lab, cells)
+            except BaseException:
+                page.screenshot(path=str(ARTIFACTS / "failure.png"))
+                raise
+            finally:
+                browser.close()
+    finally:
+        lab.stop()
