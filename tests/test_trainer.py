@@ -23,7 +23,7 @@ def full_weights(role: str) -> dict[str, torch.Tensor]:
     from rlkit.trainer.policy_worker import STATE_KEY
 
     worker = context().state[STATE_KEY]
-    model = worker.actor if role == "actor" else worker.engine.model
+    model = worker.actor.model if role == "actor" else worker.engine.model
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
