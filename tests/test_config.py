@@ -39,3 +39,25 @@ def test_toml_round_trip(tmp_path):
 def test_unknown_setting_names_valid_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['temprature'\] in \[rollout\]"):
         GRPOConfig.from_dict({"rollout": {"temprature": 1.0}})
+
+
+def test_rollout_engine_settings(tmp_path):
+    assert GRPOConfig(rollout="vllm").rollout == RolloutConfig(engine="vllm")
+    path = tmp_path / "c.toml"
+    path.write_text('rollout = "vllm"\n')
+    assert GRPOConfig.from_toml(path).rollout.engine == "vllm"
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(rollout=RolloutConfig(engine="sglang", gpu_memory_utilization=1.5, kv_cache_gb=-1))
+    assert len(err.value.problems) == 3
+    assert "valid engines are ('hf', 'vllm')" in str(err.value)
+
+
+def test_vllm_engine_needs_vllm_installed():
+    import importlib.util
+
+    config = GRPOConfig(rollout="vllm")
+    if importlib.util.find_spec("vllm") is not None:
+        config.check_cluster(2)
+    else:
+        with pytest.raises(ConfigError, match=r'pip install "rlkit\[vllm\]"'):
+            config.check_cluster(2)

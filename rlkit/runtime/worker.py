@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_heartbeat, args=(channel,), name="rlkit-heartbeat", daemon=True).start()
     channel.send(("ready", {"device": str(ctx.device), "rss_mb": _rss_mb()}))
     _serve(channel, inbox, config["shm_prefix"])
+    _close_state(ctx)
     _exit()
 
 
@@ -178,6 +179,18 @@ def _error_info(exc: BaseException, prefix: str = "") -> dict[str, str]:
     name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
     return {"type": name, "message": prefix + str(exc),
             "traceback": "".join(traceback.format_exception(cls, exc, tb))}
+
+
+def _close_state(ctx: WorkerContext) -> None:
+    """Call ``close()`` on every value in the context's state that has one (rollout engines own
+    processes that would otherwise outlive this one); a failure is logged, not raised."""
+    for key, value in list(ctx.state.items()):
+        close = getattr(value, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                logger.exception("closing state[%r] failed", key)
 
 
 def _exit() -> None:

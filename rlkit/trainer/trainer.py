@@ -20,7 +20,7 @@ from rlkit.data.rewards import RewardFn, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank
 from rlkit.trainer import checkpoints, policy_worker
-from rlkit.trainer.metrics import step_metrics
+from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ class Trainer:
         )
         batch = self._assemble(items, prompt_ids, prompt_mask, results)
         self._record("rollout", start, results)
+        if warning := logprob_gap_warning(batch, cfg.rollout.max_logprob_gap):
+            log.warning(warning)
         return batch
 
     def score(self, batch: Batch) -> Batch:
