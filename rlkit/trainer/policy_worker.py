@@ -23,7 +23,7 @@ from rlkit.diagnostics.memory import memory_mb
 from rlkit.fsdp import apply_fsdp, build_mesh, iter_full_params, param_dtype
 from rlkit.fsdp.checkpoint import export_hf, load_sharded, save_sharded
 from rlkit.models import load_causal_lm, load_tokenizer
-from rlkit.rollout import HFEngine, SamplingParams
+from rlkit.rollout import SamplingParams, build_engine
 from rlkit.runtime import context
 from rlkit.trainer.actor import STAT_NAMES, Actor, batched_logprobs
 from rlkit.trainer.objective import PolicyLossFn, policy_metrics
@@ -51,14 +51,20 @@ class PolicyWorker:
         if config.kl_coef > 0:
             reference = load_causal_lm(model_dir, dtype=torch.float32, **load).requires_grad_(False)
             self.reference = apply_fsdp(reference, mesh, config.fsdp)
-        self.engine = HFEngine(
-            load_causal_lm(model_dir, dtype=param_dtype(config.fsdp, self.device.type), **load),
+        self.engine = build_engine(
+            config.rollout,
+            model_dir,
+            device=self.device,
+            dtype=param_dtype(config.fsdp, self.device.type),
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            max_num_seqs=config.samples_per_step // ctx.world_size,
+            seed=config.seed,
+            trust_remote_code=config.trust_remote_code,
         )
         self.times: dict[str, float] = {}
         models = [m for m in (self.actor.model, self.reference) if m is not None]
-        self.memory = MemoryTracker(self.device, models=models, optimizers=[self.actor.optimizer], engine=self.engine.model)
+        self.memory = MemoryTracker(self.device, models=models, optimizers=[self.actor.optimizer], engine=getattr(self.engine, "model", None))
         self.actor.memory = self.memory
 
     @contextmanager
@@ -95,6 +101,8 @@ class PolicyWorker:
         with self.timed("generate"):
             gen = self.engine.generate(prompt_ids, prompt_mask, params)
         self.memory.mark("rollout")
+        with self.timed("engine_sleep"):
+            self.engine.sleep()  # hybrid engine: free its memory for the actor until the next sync
         input_ids = torch.cat([prompt_ids.repeat_interleave(cfg.group_size, dim=0), gen.response_ids], dim=1)
         attention_mask = torch.cat(
             [prompt_mask.repeat_interleave(cfg.group_size, dim=0), gen.response_mask.long()], dim=1
@@ -158,6 +166,10 @@ class PolicyWorker:
         with self.timed("sync"):
             return self.engine.load_weights(iter_full_params(self.actor.model))
 
+    def close(self) -> None:
+        """Stop the rollout engine (and any processes it owns)."""
+        self.engine.close()
+
     def save(self, directory: Path, *, export: bool) -> None:
         """Write this rank's shards (model + optimizer) and schedule/RNG state; rank 0 also exports HF files."""
         save_sharded(self.actor.model, self.actor.optimizer, directory / "shards")
@@ -183,7 +195,9 @@ class PolicyWorker:
 def setup(config: dict, model_dir: str, policy_loss_fn: PolicyLossFn | None = None) -> dict[str, object]:
     """Build this rank's PolicyWorker (replacing any earlier one); returns what it holds."""
     ctx = context()
-    ctx.state.pop(STATE_KEY, None)
+    previous = ctx.state.pop(STATE_KEY, None)
+    if previous is not None:
+        previous.close()
     worker = PolicyWorker(config_from_dict(config), Path(model_dir), policy_loss_fn)
     ctx.state[STATE_KEY] = worker
     log.info("policy worker ready on %s", ctx.device)

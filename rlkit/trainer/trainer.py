@@ -22,7 +22,7 @@ from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank
 from rlkit.trainer import checkpoints, critic, diagnose, policy_worker, reward_model
 from rlkit.trainer.estimate import estimate_advantages
-from rlkit.trainer.metrics import step_metrics
+from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
 from rlkit.trainer.objective import PolicyLossFn
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,8 @@ class Trainer:
             )
             batch.values = torch.cat([v["values"] for v in values]) * batch.response_mask
             self._record("rollout", start, values)
+        if warning := logprob_gap_warning(batch, cfg.rollout.max_logprob_gap):
+            log.warning(warning)
         return batch
 
     def score(self, batch: Batch) -> Batch:

@@ -1,0 +1,57 @@
+"""Build the rollout engine a config asks for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rlkit.config import RolloutConfig
+from rlkit.models import load_causal_lm
+from rlkit.rollout.base import RolloutEngine
+from rlkit.rollout.hf import HFEngine
+
+
+def build_engine(
+    config: RolloutConfig,
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    eos_token_id: int,
+    pad_token_id: int,
+    max_num_seqs: int,
+    seed: int,
+    trust_remote_code: bool = False,
+) -> RolloutEngine:
+    """An "hf" or "vllm" engine holding the weights in ``model_dir`` on ``device`` in ``dtype``.
+
+    ``max_num_seqs`` is the most completions one generate call asks for (vLLM batches up to it).
+    """
+    if config.engine == "vllm":
+        from rlkit.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model_dir,
+            device=device,
+            dtype=dtype,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            max_num_seqs=max_num_seqs,
+            max_model_len=_max_model_len(config, model_dir),
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_gb=config.kv_cache_gb,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+        )
+    model = load_causal_lm(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def _max_model_len(config: RolloutConfig, model_dir: Path) -> int:
+    """Prompt plus completion budget, capped by the model's positions (the KV cache is sized for it)."""
+    with open(model_dir / "config.json") as f:
+        positions = json.load(f).get("max_position_embeddings")
+    wanted = config.max_prompt_tokens + config.max_new_tokens
+    return min(wanted, positions) if positions else wanted

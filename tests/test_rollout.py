@@ -1,0 +1,90 @@
+"""Rollout pieces in one process: HF generate's log-probs against a forward pass, weight buckets, the gap warning."""
+
+import pytest
+import torch
+
+from rlkit.data.batch import Batch
+from rlkit.models import load_causal_lm, load_tokenizer, resolve_model_dir
+from rlkit.models.logprobs import response_logprobs
+from rlkit.rollout import HFEngine, SamplingParams
+from rlkit.rollout.vllm import _buckets
+from rlkit.trainer.metrics import logprob_gap_warning
+
+PROMPTS = ["1+2=", "13+45=", "99+99=", "7+80="]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    directory = resolve_model_dir("tiny")
+    tok = load_tokenizer(directory)
+    model = load_causal_lm(directory, dtype=torch.float32, device=torch.device("cpu"))
+    engine = HFEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    enc = tok(PROMPTS, padding=True, return_tensors="pt")
+    return engine, model, enc["input_ids"], enc["attention_mask"]
+
+
+def forward_logprobs(model, ids, mask, gen, n: int, temperature: float) -> torch.Tensor:
+    """The trainer's teacher-forced log-probs of the generated responses, [N*n, T]."""
+    input_ids = torch.cat([ids.repeat_interleave(n, 0), gen.response_ids], 1)
+    attention_mask = torch.cat([mask.repeat_interleave(n, 0), gen.response_mask.long()], 1)
+    with torch.no_grad():
+        return response_logprobs(model, input_ids, attention_mask, gen.response_ids.shape[1], temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_hf_logprobs_equal_a_forward_pass(setup, temperature):
+    engine, model, ids, mask = setup
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=temperature, top_p=1.0, seed=1)
+    gen = engine.generate(ids, mask, params)
+    assert gen.response_ids.shape == gen.logprobs.shape == (len(PROMPTS) * 3, 6)
+    expected = forward_logprobs(model, ids, mask, gen, 3, temperature or 1.0) * gen.response_mask
+    assert torch.allclose(gen.logprobs, expected, atol=1e-5)
+    assert (gen.logprobs[gen.response_mask == 0] == 0).all()
+    ended = ((gen.response_ids == engine.eos_token_id) & (gen.response_mask == 1)).any(1)
+    assert [r == "stop" for r in gen.finish_reason] == ended.tolist()
+    if temperature == 0:
+        assert torch.equal(gen.response_ids[0], gen.response_ids[1]), "greedy samples of one prompt differ"
+
+
+def test_hf_top_p_logprobs_are_renormalised_over_the_nucleus(setup):
+    engine, model, ids, mask = setup
+    gen = engine.generate(ids, mask, SamplingParams(n=4, max_new_tokens=6, temperature=1.0, top_p=0.5, seed=2))
+    full = forward_logprobs(model, ids, mask, gen, 4, 1.0)
+    on = gen.response_mask.bool()
+    assert (gen.logprobs[on] >= full[on] - 1e-5).all()
+    assert (gen.logprobs[on] > full[on] + 1e-3).any(), "no token's nucleus left out any probability"
+
+
+def test_hf_same_seed_same_completions(setup):
+    engine, _, ids, mask = setup
+    params = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=5)
+    a, b = engine.generate(ids, mask, params), engine.generate(ids, mask, params)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_buckets_keep_order_and_names_and_cast():
+    weights = [(f"w{i}", torch.full((4, 4), float(i), dtype=torch.float32)) for i in range(5)]  # 64 bytes each
+    buckets = list(_buckets(iter(weights), torch.bfloat16, max_bytes=64))
+    assert [list(b) for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]  # bf16: 32 bytes each
+    flat = {k: v for b in buckets for k, v in b.items()}
+    assert all(v.dtype == torch.bfloat16 and v.device.type == "cpu" for v in flat.values())
+    assert all(torch.equal(flat[n], w.bfloat16()) for n, w in weights)
+
+
+def gap_batch(gap: float) -> Batch:
+    """2 responses of 3 tokens (the last one padding) whose trainer log-probs differ from the rollout's by ``gap``."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    rollout = torch.full((2, 3), -1.0)
+    trainer = rollout - gap * mask + 5.0 * (1 - mask)  # padding differs wildly and must not count
+    return Batch(
+        prompts=["a", "b"], completions=["x", "y"], input_ids=torch.zeros(2, 5, dtype=torch.long),
+        attention_mask=torch.ones(2, 5, dtype=torch.long), response_mask=mask, rollout_logprobs=rollout,
+        group=torch.tensor([0, 0]), finish_reason=["stop", "stop"], logprobs=trainer,
+    )
+
+
+def test_logprob_gap_warning_uses_the_token_mean():
+    assert logprob_gap_warning(gap_batch(0.05), limit=0.1) is None
+    message = logprob_gap_warning(gap_batch(0.2), limit=0.1)
+    assert message is not None and "0.2000 nats" in message and "rollout.max_logprob_gap=0.1" in message
+    assert logprob_gap_warning(gap_batch(0.2), limit=0.0) is None
