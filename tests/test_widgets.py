@@ -103,7 +103,7 @@ def batch() -> Batch:
         response_mask=response_mask, rollout_logprobs=rollout_lp, logprobs=logprobs,
         group=torch.tensor([0, 0, 1, 1]), rank=torch.tensor([0, 0, 1, 1]), finish_reason=["length", "stop"] * 2,
         rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), reward_terms={"correct": torch.tensor([1.0, 0.0, 1.0, 1.0])},
-        advantages=torch.tensor([0.7, -0.7, 0.0, 0.0]),
+        advantages=torch.tensor([0.7, -0.7, 0.0, 0.0]).unsqueeze(1).expand(4, 3),  # [B, T], per token
     )
 
 
