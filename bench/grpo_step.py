@@ -1,11 +1,14 @@
 """One GRPO step of rlkit on a Qwen2.5-shaped model (random weights), phase by phase (figures, not a test).
 
-    python bench/grpo_step.py --shape 0.5b --world-size 1 --engine vllm [--steps 4] [--beta 0.0] [--profile]
+    python bench/grpo_step.py --shape 0.5b --world-size 1 --engine vllm [--steps 4] [--beta 0.0] [--micro 64]
+        [--recompute-logprobs] [--profile]
 
 The workload is GPU.md's yardstick: ``prompts`` prompts of exactly
 ``prompt_len`` tokens, ``group`` completions each of exactly ``response_len``
 tokens (end-of-text suppressed), temperature 1, random rewards (so every
-update does real work). Prints seconds per phase (rollout = generate +
+update does real work), one optimizer step per batch; the old log-probs come
+from the update's own forward unless ``--recompute-logprobs`` (TRL skips that
+pass too when ``num_iterations=1``). Prints seconds per phase (rollout = generate +
 trainer log-probs + reference, update, weight sync), controller overhead,
 rollout and training tokens/s, MFU and peak memory per rank, averaged over
 the steps after the first. ``--profile`` adds one profiled step per rank
@@ -81,7 +84,7 @@ def summarize(history, n_params: int, world_size: int, args) -> dict[str, float]
     step = mean("time/step")
     update = mean("time/worker/update")
     workers = sum(mean(f"time/worker/{p}") for p in ("generate", "logprobs", "reference", "update", "sync"))
-    forwards = 1 + (1 if args.beta > 0 else 0)  # old log-probs, reference
+    forwards = int(args.recompute_logprobs) + int(args.beta > 0)  # old log-probs, reference
     flops = samples * seq * n_params * (6 + 2 * forwards)  # train (fwd+bwd) + scoring forwards; generation excluded
     peaks = [float(h[c].max()) for c in h.columns if c.endswith("peak_mb")]
     return {
@@ -110,7 +113,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=256)
-    parser.add_argument("--micro", type=int, default=16)
+    parser.add_argument("--micro", type=int, default=64, help="sequences per forward/backward")
+    parser.add_argument("--recompute-logprobs", action="store_true", help="score rollouts in a separate pass")
     parser.add_argument("--beta", type=float, default=0.0, help="kl_coef (0: no reference model)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default="auto")
@@ -124,7 +128,7 @@ def main() -> None:
     prompts = ["".join(rng.choice("0123456789") for _ in range(args.prompt_len)) for _ in range(args.prompts * 4)]
     config = rlkit.GRPOConfig(
         model=str(model_dir), seed=0, steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
-        kl_coef=args.beta, micro_batch_size=args.micro,
+        kl_coef=args.beta, micro_batch_size=args.micro, recompute_logprobs=args.recompute_logprobs,
         rollout=rlkit.RolloutConfig(engine=args.engine, max_new_tokens=args.response_len,
                                     min_new_tokens=args.response_len, max_prompt_tokens=args.prompt_len),
         optim=rlkit.OptimConfig(lr=1e-6),
@@ -140,7 +144,8 @@ def main() -> None:
     n_params = _param_count(model_dir)
     figures = summarize(history, n_params, args.world_size, args)
     print(f"rlkit GRPO step: {args.shape} ({n_params / 1e6:.0f}M), {args.world_size} rank(s), engine {args.engine}, "
-          f"{args.prompts}x{args.group} completions of {args.response_len} tokens, beta {args.beta}")
+          f"{args.prompts}x{args.group} completions of {args.response_len} tokens, beta {args.beta}, "
+          f"micro-batch {args.micro}, recompute_logprobs {args.recompute_logprobs}")
     for key, value in figures.items():
         print(f"  {key:<24}{value:>12.4g}")
     if profile:

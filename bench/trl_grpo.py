@@ -1,12 +1,14 @@
 """The peer: TRL's GRPOTrainer on the same workload as bench/grpo_step.py (figures, not a test).
 
-    python bench/trl_grpo.py --shape 0.5b [--steps 4] [--beta 0.0]
+    python bench/trl_grpo.py --shape 0.5b [--steps 4] [--beta 0.0] [--micro 64] [--gradient-checkpointing]
 
 Same model directory (random weights, built by bench/grpo_step.py's
 ``build_model_dir``), prompts, group size, fixed response length and
 temperature; HF generate inside TRL. One optimizer step consumes all
 ``prompts x group`` completions (generation batch = per-device batch x
 gradient accumulation), so a TRL step and an rlkit step do the same work.
+Activation checkpointing is off, as in rlkit (TRL's GRPOConfig turns it on
+by default; ``--gradient-checkpointing`` restores that).
 Prints seconds per step (median after the first) and TRL's own generation
 time when it logs one. Run on one GPU (TRL's multi-GPU path needs accelerate launch).
 """
@@ -58,7 +60,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=256)
-    parser.add_argument("--micro", type=int, default=16, help="completions per forward/backward")
+    parser.add_argument("--micro", type=int, default=64, help="completions per forward/backward")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; rlkit does not")
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
@@ -85,6 +88,7 @@ def main() -> None:
         generation_kwargs={"min_new_tokens": args.response_len},
         temperature=1.0,
         beta=args.beta,
+        gradient_checkpointing=args.gradient_checkpointing,
         learning_rate=1e-6,
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
@@ -116,7 +120,7 @@ def main() -> None:
         "log_keys": sorted({k for r in logs for k in r}),
     }
     print(f"TRL GRPO step: {args.shape}, {args.prompts}x{args.group} completions of {args.response_len} tokens, "
-          f"beta {args.beta}: median step {step:.3f} s (all: {', '.join(f'{t:.2f}' for t in timer.times)}); "
+          f"beta {args.beta}, micro-batch {args.micro}, gradient checkpointing {args.gradient_checkpointing}: median step {step:.3f} s (all: {', '.join(f'{t:.2f}' for t in timer.times)}); "
           f"peak {figures['peak_gib']:.1f} GiB")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))

@@ -295,6 +295,11 @@ class RLConfig:
     """Optimizer steps per epoch; the per-rank batch must divide by it."""
     micro_batch_size: int = 64
     """Sequences per forward/backward on a rank (gradient accumulation above it)."""
+    recompute_logprobs: bool = True
+    """Score each rollout with the actor before the update (a forward pass over every sample) for the
+    PPO ratio's old log-probs, ``batch.logprobs`` and the rollout log-prob gap. With one optimizer step
+    per batch (ppo_epochs = mini_batches = 1) the update's own forward yields the same numbers, so
+    False skips the pass and ``trainer.update`` fills ``batch.logprobs`` (and the gap) from it."""
     advantage: str = "grpo"
     """Advantage estimator (rlkit.algos.ADVANTAGE_ESTIMATORS): "grpo", "drgrpo" (no std scaling),
     "rloo", "reinforce++" or "gae" (needs a critic: PPOConfig). Trainer(advantage_fn=...) overrides it."""
@@ -360,6 +365,19 @@ class RLConfig:
         _need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
         _need(p, self.mini_batches >= 1, f"mini_batches={self.mini_batches}: must be >= 1")
         _need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
+        if not self.recompute_logprobs:
+            _need(
+                p,
+                self.ppo_epochs == 1 and self.mini_batches == 1,
+                f"recompute_logprobs=False with ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}: "
+                "later optimizer steps need the log-probs from before the first; set both to 1 or recompute_logprobs=True",
+            )
+            _need(
+                p,
+                not (self.kl_mode == "reward" and self.kl_coef > 0),
+                'recompute_logprobs=False with kl_mode="reward": the KL penalty needs the log-probs before '
+                'the advantages; use kl_mode="loss" or recompute_logprobs=True',
+            )
         p += self._algorithm_problems()
         _need(p, 0 < self.clip_eps < 1, f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
         _need(

@@ -84,7 +84,7 @@ def build_model(vocab_size: int, eos_id: int) -> Qwen2ForCausalLM:
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=128,
-        intermediate_size=512,
+        intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

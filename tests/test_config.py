@@ -98,3 +98,14 @@ def test_vllm_engine_needs_vllm_installed():
     else:
         with pytest.raises(ConfigError, match=r'pip install "rlkit\[vllm\]"'):
             config.check_cluster(2)
+
+
+def test_skipping_the_logprob_pass_needs_one_step_per_batch_and_kl_in_the_loss():
+    GRPOConfig(recompute_logprobs=False, kl_coef=0.1)
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(recompute_logprobs=False, ppo_epochs=2, kl_coef=0.1, kl_mode="reward")
+    assert len(err.value.problems) == 2
+    assert "recompute_logprobs=False with ppo_epochs=2, mini_batches=1" in str(err.value)
+    assert 'use kl_mode="loss" or recompute_logprobs=True' in str(err.value)
+    with pytest.raises(ConfigError, match="mini_batches=4"):
+        GRPOConfig(recompute_logprobs=False, mini_batches=4)

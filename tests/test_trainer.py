@@ -79,3 +79,23 @@ def test_too_long_prompt_is_rejected_without_consuming_prompts(cluster):
     with pytest.raises(ValueError, match=r"longer than rollout.max_prompt_tokens=64"):
         trainer.rollout()
     assert trainer._prompts.state_dict()["served"] == 0
+
+
+@pytest.mark.timeout(240)
+def test_update_scores_the_rollout_when_the_logprob_pass_is_skipped(cluster):
+    """recompute_logprobs=False: same rollout, log-probs, loss and gradient as with the separate pass."""
+    results = {}
+    for recompute in (True, False):
+        config = rlkit.GRPOConfig(**TINY, recompute_logprobs=recompute, optim=rlkit.OptimConfig(lr=1e-3))
+        trainer = rlkit.Trainer(cluster, config)
+        batch = trainer.advantages(trainer.score(trainer.rollout()))
+        assert (batch.logprobs is None) == (not recompute)
+        stats = trainer.update(batch)
+        results[recompute] = (batch, stats)
+    (full, full_stats), (skip, skip_stats) = results[True], results[False]
+    assert torch.equal(full.input_ids, skip.input_ids), "the two trainers did not sample the same rollout"
+    mask = skip.response_mask.bool()
+    torch.testing.assert_close(skip.logprobs[mask], full.logprobs[mask], atol=1e-5, rtol=0)
+    assert skip_stats["policy/loss"] == pytest.approx(full_stats["policy/loss"], abs=1e-6)
+    assert skip_stats["grad/norm"] == pytest.approx(full_stats["grad/norm"], rel=1e-4)
+    assert skip_stats["policy/clipfrac"] == 0.0 and skip_stats["policy/approx_kl"] == 0.0

@@ -37,7 +37,8 @@ class Batch:
     fields: dict[str, list] = field(default_factory=dict)
     """Extra per-sample columns from the prompt source (e.g. "answer"), each of length B."""
     logprobs: torch.Tensor | None = None
-    """[B, T] float32 log-probs under the trainer's actor before the update (PPO's old policy)."""
+    """[B, T] float32 log-probs under the trainer's actor before the update (PPO's old policy); filled by
+    the rollout, or by the update's own forward when ``recompute_logprobs=False``."""
     ref_logprobs: torch.Tensor | None = None
     """[B, T] float32 log-probs under the frozen reference (only when kl_coef > 0)."""
     rewards: torch.Tensor | None = None

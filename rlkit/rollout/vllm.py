@@ -112,7 +112,8 @@ class VLLMEngine:
             max_tokens=params.max_new_tokens,
             min_tokens=params.min_new_tokens,
             stop_token_ids=[self.eos_token_id],
-            logprobs=0,
+            logprobs=0,  # the sampled token's only
+            flat_logprobs=True,  # plain float lists, not a dict of objects per token
             detokenize=False,
         )
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
@@ -180,7 +181,8 @@ class WorkerExtension:
 
 
 def _to_generation(completions: list, width: int, pad_token_id: int, device: torch.device) -> Generation:
-    """vLLM CompletionOutputs (token ids through the end-of-text token) -> padded [len, width] tensors."""
+    """vLLM CompletionOutputs (token ids through the end-of-text token, flat log-probs of the sampled
+    tokens) -> padded [len, width] tensors."""
     rows = len(completions)
     ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
     mask = torch.zeros(rows, width)
@@ -189,7 +191,7 @@ def _to_generation(completions: list, width: int, pad_token_id: int, device: tor
         k = len(c.token_ids)
         ids[i, :k] = torch.tensor(c.token_ids, dtype=torch.long)
         mask[i, :k] = 1.0
-        logprobs[i, :k] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+        logprobs[i, :k] = torch.tensor(c.logprobs.logprobs)  # FlatLogprobs: one entry per position
     reasons = [c.finish_reason for c in completions]
     if not set(reasons) <= {"stop", "length"}:
         raise RuntimeError(f"vLLM finished requests with {sorted(set(reasons))}; expected 'stop' or 'length'")

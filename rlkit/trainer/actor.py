@@ -12,7 +12,7 @@ from rlkit.algos import entropy_from_logits
 from rlkit.config import RLConfig
 from rlkit.diagnostics import GradReport, MemoryTracker, grad_report
 from rlkit.fsdp import apply_fsdp
-from rlkit.models.logprobs import response_logits, response_logprobs, token_logprobs
+from rlkit.models.logprobs import response_logits, response_logprobs, sampled_logprobs, token_logprobs
 from rlkit.trainer.accumulate import accumulated_step
 from rlkit.trainer.objective import STAT_NAMES, PolicyLossFn, PolicyObjective
 from rlkit.trainer.optim import build_optimizer
@@ -55,6 +55,7 @@ class Actor:
         self.grads: GradReport | None = None
         """The last optimizer step's gradient report (per-unit local norms before clipping, global norm)."""
         self._unclipped: GradReport | None = None
+        self._scored: list[torch.Tensor] = []
 
     @property
     def device(self) -> torch.device:
@@ -67,12 +68,15 @@ class Actor:
         """One optimizer step on this rank's part of a mini-batch, accumulating micro-batch gradients.
 
         Args:
-            mini: input_ids, attention_mask [n, P + T]; response_mask, logprobs (old), and optionally
-                ref_logprobs [n, T]; advantages [n] or [n, T].
+            mini: input_ids, attention_mask [n, P + T]; response_mask, optionally logprobs (old) and
+                ref_logprobs [n, T]; advantages [n] or [n, T]. Without old log-probs (one optimizer
+                step per batch, ``recompute_logprobs=False``) this step's own are the old ones: see
+                :meth:`scored_logprobs`.
         Returns:
             [7] float64 sums on this rank (see STAT_NAMES) and the true global gradient norm.
         """
         cfg = self.config
+        self._scored = []
         sums, norm = accumulated_step(
             self.model,
             self.optimizer,
@@ -99,12 +103,22 @@ class Actor:
         if self.memory is not None:
             self.memory.mark(phase)
 
+    def scored_logprobs(self) -> torch.Tensor:
+        """[n, T] detached log-probs of the last :meth:`train_step`'s rows, taken from its forward passes."""
+        return torch.cat(self._scored)
+
     def _micro_loss(self, micro: dict[str, torch.Tensor], weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's share of the loss (weights: [b, T]) and its stat sums."""
         cfg = self.config
-        width = cfg.rollout.max_new_tokens
-        logits = response_logits(self.model, micro["input_ids"], micro["attention_mask"], width).float()
-        logits = logits / cfg.rollout.temperature
-        logprobs = token_logprobs(logits, micro["input_ids"][:, -width:], 1.0)
-        entropy = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach())
+        width, temperature = cfg.rollout.max_new_tokens, cfg.rollout.temperature
+        logits = response_logits(self.model, micro["input_ids"], micro["attention_mask"], width)
+        tokens = micro["input_ids"][:, -width:]
+        if cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient: plain autograd over fp32 logits
+            scaled = logits.float() / temperature
+            logprobs, entropy = token_logprobs(scaled, tokens, 1.0), entropy_from_logits(scaled)
+        else:
+            logprobs, entropy = sampled_logprobs(logits, tokens, temperature)
+        if "logprobs" not in micro:
+            self._scored.append(logprobs.detach())
+            micro = {**micro, "logprobs": logprobs.detach()}
         return self.objective(logprobs, entropy, micro, weights)

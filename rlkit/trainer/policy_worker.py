@@ -83,8 +83,8 @@ class PolicyWorker:
             prompt_ids, prompt_mask: [N, P] left-padded prompts for this rank.
             seed: sampling seed for this rank and step.
         Returns:
-            tensors [N*G, T] (response_ids, response_mask, rollout_logprobs, logprobs, ref_logprobs or
-            None), finish_reason, and this rank's phase times and memory.
+            tensors [N*G, T] (response_ids, response_mask, rollout_logprobs, and logprobs and ref_logprobs
+            or None), finish_reason, and this rank's phase times and memory.
         """
         self.times = {}
         self.memory.reset()
@@ -107,9 +107,11 @@ class PolicyWorker:
         attention_mask = torch.cat(
             [prompt_mask.repeat_interleave(cfg.group_size, dim=0), gen.response_mask.long()], dim=1
         )
-        with self.timed("logprobs"):
-            logprobs = self.actor.logprobs(input_ids, attention_mask)
-        self.memory.mark("actor_logprobs")
+        logprobs = None
+        if cfg.recompute_logprobs:
+            with self.timed("logprobs"):
+                logprobs = self.actor.logprobs(input_ids, attention_mask)
+            self.memory.mark("actor_logprobs")
         ref_logprobs = None
         if self.reference is not None:
             with self.timed("reference"):
@@ -119,7 +121,7 @@ class PolicyWorker:
             "response_ids": gen.response_ids.cpu(),
             "response_mask": gen.response_mask.cpu(),
             "rollout_logprobs": gen.logprobs.cpu(),
-            "logprobs": logprobs.cpu(),
+            "logprobs": None if logprobs is None else logprobs.cpu(),
             "ref_logprobs": None if ref_logprobs is None else ref_logprobs.cpu(),
             "finish_reason": gen.finish_reason,
             "times": dict(self.times),
@@ -130,10 +132,11 @@ class PolicyWorker:
         """PPO-clip epochs over this rank's shard, then push the new weights into the engine.
 
         Args:
-            shard: input_ids, attention_mask [n, P + T]; response_mask, logprobs (old), ref_logprobs
-                (optional), advantages [n, T].
+            shard: input_ids, attention_mask [n, P + T]; response_mask, logprobs (old; None without
+                ``recompute_logprobs``), ref_logprobs (optional), advantages [n, T].
         Returns:
-            global metrics (identical on every rank), this rank's grad norm, times, memory.
+            global metrics (identical on every rank), this rank's grad norm, times, memory, and
+            ``logprobs`` [n, T]: the shard's old log-probs when the update computed them, else None.
         """
         self.times = {}
         shard = {k: v.to(self.device) for k, v in shard.items() if v is not None}
@@ -148,6 +151,7 @@ class PolicyWorker:
                     sums, norm = self.actor.train_step({k: v[start : start + size] for k, v in shard.items()})
                     totals += sums
                     grad_norms.append(norm)
+        scored = None if "logprobs" in shard else self.actor.scored_logprobs().cpu()
         self.sync_engine()
         self.memory.mark("weight_sync")
         dist.all_reduce(totals)
@@ -157,6 +161,7 @@ class PolicyWorker:
             **metrics,
             "grad/norm": sum(grad_norms) / len(grad_norms),
             "optim/lr": self.actor.scheduler.get_last_lr()[0],
+            "logprobs": scored,
             "times": dict(self.times),
             "memory_mb": memory_mb(self.device),
         }

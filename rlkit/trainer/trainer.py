@@ -97,8 +97,8 @@ class Trainer:
     def rollout(self) -> Batch:
         """Sample the next prompts, generate ``group_size`` completions each, and score them with the actor.
 
-        Returns a Batch with completions, engine and trainer log-probs (and reference log-probs, and
-        the critic's values with PPO).
+        Returns a Batch with completions, engine and trainer log-probs (the latter only after the
+        update with ``recompute_logprobs=False``; and reference log-probs, and the critic's values with PPO).
         """
         cfg = self.config
         start = time.perf_counter()
@@ -182,6 +182,10 @@ class Trainer:
             critic_stats = {k: v for k, v in critic_results[0].items() if isinstance(v, (int, float))}
         results = self.cluster.run(policy_worker.update, PerRank(shards))
         self._record("update", start, results)
+        if batch.logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout
+            batch.logprobs = torch.cat([r["logprobs"] for r in results])
+            if warning := logprob_gap_warning(batch, self.config.rollout.max_logprob_gap):
+                log.warning(warning)
         stats = {**critic_stats, **{k: v for k, v in results[0].items() if isinstance(v, (int, float))}}
         norms = [r["grad/norm"] for r in results]
         stats["grad/norm_rank_spread"] = max(norms) - min(norms)
@@ -340,6 +344,7 @@ class Trainer:
         g = self.config.group_size
         response_ids = torch.cat([r["response_ids"] for r in results])
         ref = [r["ref_logprobs"] for r in results]
+        scored = [r["logprobs"] for r in results]
         fields = {k: [item[k] for item in items for _ in range(g)] for k in items[0] if k != "prompt"}
         return Batch(
             prompts=[item["prompt"] for item in items for _ in range(g)],
@@ -350,7 +355,7 @@ class Trainer:
             ),
             response_mask=torch.cat([r["response_mask"] for r in results]),
             rollout_logprobs=torch.cat([r["rollout_logprobs"] for r in results]),
-            logprobs=torch.cat([r["logprobs"] for r in results]),
+            logprobs=None if scored[0] is None else torch.cat(scored),
             ref_logprobs=None if ref[0] is None else torch.cat(ref),
             group=torch.arange(len(items)).repeat_interleave(g),
             rank=torch.cat([torch.full((len(r["response_ids"]),), i) for i, r in enumerate(results)]),
