@@ -1,5 +1,7 @@
 """GPU path: nccl, bf16 compute, one process per GPU (marked gpu; skipped without CUDA devices)."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -70,3 +72,33 @@ def test_trainer_steps_on_gpus(world_size):
     assert (history["time/worker/update"] > 0).all()
     # bf16 compute in the actor and a bf16 engine: log-probs agree to bf16 precision, not exactly
     assert history["rollout/logprob_gap/mean"].max() < 0.1
+
+
+
+def skip_syncs() -> None:
+    """On a worker: make weight syncs do nothing from now on (the engine keeps the weights it has)."""
+    from rlkit.runtime import context
+    from rlkit.trainer.policy_worker import STATE_KEY
+
+    context().state[STATE_KEY].sync_engine = lambda: 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recompute_logprobs", [True, False])
+def test_vllm_engine_follows_the_actor_through_cuda_ipc_syncs(recompute_logprobs):
+    """Updates that move the policy; rollouts after a sync match the trainer, one after a skipped sync does not."""
+    config = rlkit.GRPOConfig(model="tiny", prompts_per_step=16, group_size=8, recompute_logprobs=recompute_logprobs,
+                              optim=rlkit.OptimConfig(lr=5e-3), rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6))
+    with rlkit.launch(world_size=1, device="cuda") as cluster:
+        trainer = rlkit.Trainer(cluster, config)
+        synced = trainer.fit(3, progress=False)
+        cluster.run(skip_syncs)
+        stale = trainer.fit(2, progress=False).iloc[-1]  # its rollout used the weights from before the last update
+    assert (synced["time/worker/sync"] > 0).all()
+    synced_gap, stale_gap = synced["rollout/logprob_gap/mean"].max(), stale["rollout/logprob_gap/mean"]
+    print(f"log-prob gap: synced <= {synced_gap:.4f}, after a skipped sync {stale_gap:.4f}")
+    # a bf16 engine against bf16-compute training agree to bf16 precision, not exactly
+    assert synced_gap < 0.05
+    assert stale_gap > 3 * synced_gap

@@ -1,5 +1,6 @@
 """Rollout pieces in one process: HF generate's log-probs against a forward pass, weight buckets, the gap warning."""
 
+import math
 import os
 
 import pytest
@@ -9,7 +10,7 @@ from rlkit.data.batch import Batch
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model_dir
 from rlkit.models.logprobs import response_logprobs
 from rlkit.rollout import HFEngine, SamplingParams
-from rlkit.rollout.vllm import _buckets, _engine_environment
+from rlkit.rollout.vllm import _buckets, _engine_environment, _flat_buckets
 from rlkit.trainer.metrics import logprob_gap_warning
 
 PROMPTS = ["1+2=", "13+45=", "99+99=", "7+80="]
@@ -99,3 +100,17 @@ def test_engine_processes_do_not_inherit_the_trainers_process_group(monkeypatch)
     with _engine_environment(torch.device("cpu")):
         assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
     assert os.environ["RANK"] == "1" and os.environ["MASTER_PORT"] == "29500" and "WORLD_SIZE" not in os.environ
+
+
+def test_flat_buckets_lay_out_every_tensor_for_rebuilding():
+    weights = [("w0", torch.randn(3, 5)), ("w1", torch.randn(7)), ("w2", torch.randn(2, 2, 4)), ("w3", torch.randn(1))]
+    buckets = list(_flat_buckets(iter(weights), torch.bfloat16, max_bytes=40))  # bf16: 30 + 14, then 32 + 2 bytes
+    assert [[name for name, _, _ in layout] for _, layout in buckets] == [["w0", "w1"], ["w2", "w3"]]
+    rebuilt = {
+        name: buffer[start : start + math.prod(shape)].view(shape)
+        for buffer, layout in buckets
+        for name, shape, start in layout
+    }
+    for name, tensor in weights:
+        assert rebuilt[name].dtype == torch.bfloat16
+        assert torch.equal(rebuilt[name], tensor.to(torch.bfloat16)), name

@@ -3,16 +3,19 @@
 ``vllm`` is an optional dependency (``pip install 'rlkit[vllm]'``) imported here only, when an
 engine is built. The engine runs in its own processes (vLLM's default mode): vLLM's in-process
 mode would join the worker's torch.distributed group and hang. So the actor's weights cross the
-process boundary as safetensors files in a per-rank scratch folder (tmpfs when it has room),
-written bucket by bucket as the FSDP gather yields them and pushed with vLLM's own in-place
-reload (``reload_weights``), without restarting the engine. Whether they arrived shows in the
+process boundary: on GPU as CUDA IPC handles to a few flat device buffers (no host copy), on CPU
+as safetensors files in a per-rank scratch folder (tmpfs when it has room), written bucket by
+bucket as the FSDP gather yields them. Either way vLLM's own in-place reload
+(``reload_weights``) takes them without restarting the engine. Whether they arrived shows in the
 trainer's log-prob gap metric (rollout vs trainer log-probs of the same tokens).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -121,8 +124,31 @@ class VLLMEngine:
         return _to_generation(completions, params.max_new_tokens, self.pad_token_id, prompt_ids.device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Write the weights bucket by bucket into the scratch folder, then reload them in place."""
+        """Reload the engine's weights in place from (name, full tensor) pairs; returns how many.
+
+        On GPU the engine reads them from this process's memory through CUDA IPC; on CPU they go
+        through safetensors files in the scratch folder.
+        """
         self._wake("weights")
+        if self.can_sleep:  # CUDA
+            count = self._load_shared(weights)
+        else:
+            count = self._load_from_files(weights)
+        self._wake("kv_cache")
+        return count
+
+    def _load_shared(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Pack the weights into flat ``self.dtype`` device buffers and send the engine their IPC handles."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        buckets = list(_flat_buckets(weights, self.dtype, BUCKET_BYTES))
+        torch.cuda.synchronize()  # the engine reads the buffers from another process
+        payload = pickle.dumps([(reduce_tensor(buffer), layout) for buffer, layout in buckets])
+        self.llm.collective_rpc("rlkit_reload_shared", args=(payload,))
+        return sum(len(layout) for _, layout in buckets)
+
+    def _load_from_files(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write the weights bucket by bucket into the scratch folder, then have the engine reload them."""
         for old in self._scratch.glob("*.safetensors"):
             old.unlink()
         count = 0
@@ -130,7 +156,6 @@ class VLLMEngine:
             _save(bucket, self._scratch / f"part-{i:05d}.safetensors")
             count += len(bucket)
         self.llm.collective_rpc("rlkit_reload", args=(str(self._scratch),))
-        self._wake("kv_cache")
         return count
 
     def sleep(self) -> None:
@@ -172,6 +197,22 @@ class WorkerExtension:
         head derived from it at load time (vLLM's CPU backend packs it for its matmul) is rebuilt here.
         """
         self.reload_weights(weights_path=weights_path)
+        self._rlkit_refresh_tied_head()
+
+    def rlkit_reload_shared(self, payload: bytes) -> None:
+        """Reload every weight in place from another process's CUDA buffers (pickled IPC handles and
+        layouts from :func:`_flat_buckets`), on this engine's GPU."""
+        weights = []
+        for (rebuild, args), layout in pickle.loads(payload):
+            args = list(args)
+            args[6] = torch.cuda.current_device()  # the storage's device, as numbered in the sender
+            buffer = rebuild(*args)
+            weights += [(name, buffer[start : start + math.prod(shape)].view(shape)) for name, shape, start in layout]
+        self.reload_weights(weights_iterator=iter(weights))
+        self._rlkit_refresh_tied_head()
+        torch.cuda.synchronize()  # done reading before the sender frees its buffers
+
+    def _rlkit_refresh_tied_head(self) -> None:
         model = self.model_runner.get_model()
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None)
@@ -220,6 +261,32 @@ def _buckets(
             bucket, size = {}, 0
     if bucket:
         yield bucket
+
+
+def _flat_buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int
+) -> Iterator[tuple[torch.Tensor, list[tuple[str, tuple[int, ...], int]]]]:
+    """Pack (name, full tensor) pairs, cast to ``dtype`` on their device, into 1-D buffers of about
+    ``max_bytes`` (one bigger tensor gets its own); yields (buffer, [(name, shape, start element)])."""
+    parts: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def packed():
+        buffer = torch.cat([t.reshape(-1) for _, t in parts])
+        starts = [0]
+        for _, t in parts[:-1]:
+            starts.append(starts[-1] + t.numel())
+        return buffer, [(name, tuple(t.shape), start) for (name, t), start in zip(parts, starts)]
+
+    for name, tensor in weights:
+        part = tensor.detach().to(dtype)
+        parts.append((name, part))
+        size += part.numel() * part.element_size()
+        if size >= max_bytes:
+            yield packed()
+            parts, size = [], 0
+    if parts:
+        yield packed()
 
 
 def _save(bucket: dict[str, torch.Tensor], path: Path) -> None:
