@@ -58,7 +58,7 @@ def response_logprobs(
         [B, T] float32; positions past a response's end hold garbage and must be masked.
     """
     logits = response_logits(model, input_ids, attention_mask, response_width)
-    return token_logprobs(logits, input_ids[:, -response_width:], temperature)
+    return sampled_logprobs(logits, input_ids[:, -response_width:], temperature)[0]
 
 
 def sampled_logprobs(
