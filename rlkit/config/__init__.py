@@ -1,0 +1,45 @@
+"""Run configuration: nested keyword-only dataclasses, validated whole.
+
+Every field carries a docstring (the string under it). A config is checked in
+``__post_init__``; every problem is collected and reported at once in one
+:class:`ConfigError`, each naming the setting, the value and the fix. Checks
+that need the cluster (divisibility by the world size) run in
+:meth:`RLConfig.check_cluster` before the trainer loads anything. :class:`GRPOConfig` and
+:class:`PPOConfig` share every setting of :class:`RLConfig`; PPO adds the critic.
+"""
+
+from rlkit.config.checks import ConfigError
+from rlkit.config.run import (
+    GRPOConfig,
+    PPOConfig,
+    RLConfig,
+    config_from_dict,
+    config_from_toml,
+)
+from rlkit.config.sections import (
+    ENGINES,
+    SHARDING,
+    CheckpointConfig,
+    CriticConfig,
+    FSDPConfig,
+    OptimConfig,
+    RewardModelConfig,
+    RolloutConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "CriticConfig",
+    "ENGINES",
+    "FSDPConfig",
+    "GRPOConfig",
+    "OptimConfig",
+    "PPOConfig",
+    "RLConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "SHARDING",
+    "config_from_dict",
+    "config_from_toml",
+]

