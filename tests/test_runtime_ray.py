@@ -5,16 +5,20 @@ without the token). Skipped where Ray is not installed (``pip install '.[ray]'``
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from rlkit.runtime import ClusterBroken, PerRank, WorkerDied, WorkerHung, context, launch
+from rlkit.runtime import (
+    PerRank,
+    WorkerHung,
+    context,
+    launch,
+)
 from rlkit.runtime.cluster import STATUS_COLUMNS
-from tests.test_runtime import _all_gone, _interrupt_after, _pids
+from tests.test_runtime import _all_gone, _interrupt_after, _kill_rank_1_mid_call, _pids
 
 ray = pytest.importorskip("ray")
 
@@ -100,18 +104,4 @@ def test_ray_ranks_stuck_in_a_collective_are_reported_after_call_timeout(cluster
 
 @pytest.mark.timeout(120)
 def test_ray_killed_actor_raises_worker_died_naming_the_rank(cluster):
-    pids = _pids(cluster)
-
-    def die_on_rank_1():
-        if context().rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(30)
-
-    start = time.monotonic()
-    with pytest.raises(WorkerDied, match="rank 1") as info:
-        cluster.run(die_on_rank_1)
-    assert time.monotonic() - start < 10
-    assert info.value.rank == 1 and info.value.pid == pids[1]
-    assert _all_gone(pids)
-    with pytest.raises(ClusterBroken, match="relaunch with rlkit.launch"):
-        cluster.run(lambda: 1)
+    _kill_rank_1_mid_call(cluster)
