@@ -9,8 +9,10 @@ temperature; HF generate inside TRL. One optimizer step consumes all
 gradient accumulation), so a TRL step and an rlkit step do the same work.
 Activation checkpointing is off, as in rlkit (TRL's GRPOConfig turns it on
 by default; ``--gradient-checkpointing`` restores that).
-Prints seconds per step (median after the first) and TRL's own generation
-time when it logs one. Run on one GPU (TRL's multi-GPU path needs accelerate launch).
+Prints seconds per step and in HF generate (medians after the first step;
+generate is timed by wrapping the model's ``generate``), so the rest of the
+step (scoring, the training forward/backward, the optimizer) follows. Run on
+one GPU (TRL's multi-GPU path needs accelerate launch).
 """
 
 from __future__ import annotations
@@ -30,6 +32,22 @@ def _sync() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+class GenerateTimer:
+    """Wraps the model's ``generate`` (what TRL's HF path calls once per step) to record its wall seconds."""
+
+    def __init__(self, generate):
+        self.generate = generate
+        self.times: list[float] = []
+
+    def __call__(self, *args, **kwargs):
+        _sync()
+        start = time.perf_counter()
+        out = self.generate(*args, **kwargs)
+        _sync()
+        self.times.append(time.perf_counter() - start)
+        return out
 
 
 class StepTimer:
@@ -109,21 +127,36 @@ def main() -> None:
         processing_class=tokenizer,
         callbacks=[timer],
     )
+    generation = GenerateTimer(trainer.model.generate)
+    trainer.model.generate = generation
     trainer.train()
-    steady = sorted(timer.times[1:] or timer.times)
-    step = steady[len(steady) // 2]
+    step = _median_after_first(timer.times)
+    generate = _median_after_first(generation.times) if len(generation.times) == len(timer.times) else float("nan")
+    samples, seq = completions, args.prompt_len + args.response_len
     logs = [r for r in trainer.state.log_history if "loss" in r or "reward" in r]
     figures = {
         "step_s": step,
+        "generate_s": generate,
+        "rest_s": step - generate,
+        "rollout_tokens_per_s": samples * args.response_len / generate,
+        "train_tokens_per_s": samples * seq / (step - generate),
         "steps_s": timer.times,
+        "generate_calls_s": generation.times,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
         "log_keys": sorted({k for r in logs for k in r}),
     }
     print(f"TRL GRPO step: {args.shape}, {args.prompts}x{args.group} completions of {args.response_len} tokens, "
           f"beta {args.beta}, micro-batch {args.micro}, gradient checkpointing {args.gradient_checkpointing}: median step {step:.3f} s (all: {', '.join(f'{t:.2f}' for t in timer.times)}); "
           f"peak {figures['peak_gib']:.1f} GiB")
+    print(f"  generate {generate:.3f} s ({figures['rollout_tokens_per_s']:.0f} tokens/s), the rest of the step "
+          f"{step - generate:.3f} s ({figures['train_tokens_per_s']:.0f} training tokens/s)")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
+
+
+def _median_after_first(times: list[float]) -> float:
+    steady = sorted(times[1:] or times)
+    return steady[len(steady) // 2]
 
 
 if __name__ == "__main__":
