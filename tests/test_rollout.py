@@ -67,7 +67,7 @@ def test_hf_same_seed_same_completions(setup):
 
 def test_buckets_keep_order_and_names_and_cast():
     weights = [(f"w{i}", torch.full((4, 4), float(i), dtype=torch.float32)) for i in range(5)]  # 64 bytes each
-    buckets = list(_buckets(iter(weights), torch.bfloat16, max_bytes=64))
+    buckets = list(_buckets(iter(weights), torch.bfloat16, max_bytes=64, device="cpu"))
     assert [list(b) for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]  # bf16: 32 bytes each
     flat = {k: v for b in buckets for k, v in b.items()}
     assert all(v.dtype == torch.bfloat16 and v.device.type == "cpu" for v in flat.values())

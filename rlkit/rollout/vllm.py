@@ -12,6 +12,7 @@ trainer's log-prob gap metric (rollout vs trainer log-probs of the same tokens).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -152,7 +153,7 @@ class VLLMEngine:
         for old in self._scratch.glob("*.safetensors"):
             old.unlink()
         count = 0
-        for i, bucket in enumerate(_buckets(weights, self.dtype, BUCKET_BYTES)):
+        for i, bucket in enumerate(_buckets(weights, self.dtype, BUCKET_BYTES, device="cpu")):
             _save(bucket, self._scratch / f"part-{i:05d}.safetensors")
             count += len(bucket)
         self.llm.collective_rpc("rlkit_reload", args=(str(self._scratch),))
@@ -247,15 +248,16 @@ def _vllm_processes() -> list[psutil.Process]:
 
 
 def _buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int, *, device: str | None
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Group (name, full tensor) pairs into host-memory dicts of about ``max_bytes``, cast to ``dtype``."""
+    """Group (name, full tensor) pairs into dicts of about ``max_bytes``, cast to ``dtype`` and moved to
+    ``device`` (None: each stays where it is)."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for name, tensor in weights:
-        host = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        bucket[name] = host
-        size += host.numel() * host.element_size()
+        moved = tensor.detach().to(device=device, dtype=dtype).contiguous()
+        bucket[name] = moved
+        size += moved.numel() * moved.element_size()
         if size >= max_bytes:
             yield bucket
             bucket, size = {}, 0
@@ -266,27 +268,12 @@ def _buckets(
 def _flat_buckets(
     weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int
 ) -> Iterator[tuple[torch.Tensor, list[tuple[str, tuple[int, ...], int]]]]:
-    """Pack (name, full tensor) pairs, cast to ``dtype`` on their device, into 1-D buffers of about
-    ``max_bytes`` (one bigger tensor gets its own); yields (buffer, [(name, shape, start element)])."""
-    parts: list[tuple[str, torch.Tensor]] = []
-    size = 0
-
-    def packed():
-        buffer = torch.cat([t.reshape(-1) for _, t in parts])
-        starts = [0]
-        for _, t in parts[:-1]:
-            starts.append(starts[-1] + t.numel())
-        return buffer, [(name, tuple(t.shape), start) for (name, t), start in zip(parts, starts)]
-
-    for name, tensor in weights:
-        part = tensor.detach().to(dtype)
-        parts.append((name, part))
-        size += part.numel() * part.element_size()
-        if size >= max_bytes:
-            yield packed()
-            parts, size = [], 0
-    if parts:
-        yield packed()
+    """:func:`_buckets` on the tensors' own device, each packed into one 1-D buffer; yields
+    (buffer, [(name, shape, start element)])."""
+    for bucket in _buckets(weights, dtype, max_bytes, device=None):
+        starts = itertools.accumulate((t.numel() for t in bucket.values()), initial=0)
+        layout = [(name, tuple(t.shape), start) for (name, t), start in zip(bucket.items(), starts)]
+        yield torch.cat([t.reshape(-1) for t in bucket.values()]), layout
 
 
 def _save(bucket: dict[str, torch.Tensor], path: Path) -> None:
