@@ -177,9 +177,12 @@ class VLLMEngine:
                 log.warning("vLLM engine processes %s still run after shutdown", [p.pid for p in alive])
 
     def _wake(self, *tags: str) -> None:
-        """Wake the named memory pools; weights are woken before the KV cache."""
+        """Wake the named memory pools; weights are woken before the KV cache. Blocks this process's
+        allocator caches but does not use (the update's activations) go back to the device first, or
+        the engine may not find the memory it slept with."""
         for tag in tags:
             if tag in self._asleep:
+                torch.cuda.empty_cache()
                 self.llm.wake_up(tags=[tag])
                 self._asleep.discard(tag)
 

@@ -169,8 +169,6 @@ class PolicyWorker:
     def sync_engine(self) -> int:
         """Push the actor's full weights into the rollout engine; returns how many tensors were loaded."""
         with self.timed("sync"):
-            if self.device.type == "cuda":  # hand the update's cached blocks back before the engine wakes
-                torch.cuda.empty_cache()
             return self.engine.load_weights(iter_full_params(self.actor.model))
 
     def close(self) -> None:
