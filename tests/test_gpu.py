@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rlkit
+from tests.test_vllm import skip_syncs
 
 pytestmark = pytest.mark.gpu
 
@@ -75,14 +76,6 @@ def test_trainer_steps_on_gpus(world_size):
 
 
 
-def skip_syncs() -> None:
-    """On a worker: make weight syncs do nothing from now on (the engine keeps the weights it has)."""
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
-
-    context().state[STATE_KEY].sync_engine = lambda: 0
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 @pytest.mark.timeout(600)
@@ -94,7 +87,7 @@ def test_vllm_engine_follows_the_actor_through_cuda_ipc_syncs(recompute_logprobs
     with rlkit.launch(world_size=1, device="cuda") as cluster:
         trainer = rlkit.Trainer(cluster, config)
         synced = trainer.fit(3, progress=False)
-        cluster.run(skip_syncs)
+        cluster.run(skip_syncs, True)  # the engine keeps the weights it has
         stale = trainer.fit(2, progress=False).iloc[-1]  # its rollout used the weights from before the last update
     assert (synced["time/worker/sync"] > 0).all()
     synced_gap, stale_gap = synced["rollout/logprob_gap/mean"].max(), stale["rollout/logprob_gap/mean"]
