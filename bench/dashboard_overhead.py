@@ -49,7 +49,7 @@ def main() -> None:
         for _ in range(args.rounds):
             plain = timed(lambda: trainer.fit(args.steps, progress=False))
             rounds.append((plain / args.steps, through(every) / plain, through(throttled) / plain))
-        plain, every_ratio, throttled_ratio = (statistics.median(r) for r in zip(*rounds))
+        plain, every_ratio, throttled_ratio = (statistics.median(r) for r in zip(*rounds, strict=True))
         refresh = min(timed(throttled.refresh) for _ in range(3))
         figures = min(timed(lambda: [v.figures() for v in throttled.views.values()]) for _ in range(3))
     print(f"tiny model, 2 ranks, {args.prompts} prompts x {args.group} samples, {args.steps} steps each; "

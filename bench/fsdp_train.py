@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import rlkit
-
 from shapes import PEAK_BF16_FLOPS, SHAPES
+
+import rlkit
 
 
 def local_bytes(tensors) -> int:
@@ -43,9 +43,7 @@ def train(shape: str, batch: int, seq: int, response: int, steps: int, micro: in
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape], max_position_embeddings=4096)).to(ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
-    config = rlkit.GRPOConfig(
-        micro_batch_size=micro, steps=steps, rollout=rlkit.RolloutConfig(max_new_tokens=response)
-    )
+    config = rlkit.GRPOConfig(micro_batch_size=micro, steps=steps, rollout=rlkit.RolloutConfig(max_new_tokens=response))
     actor = Actor(model, build_mesh(ctx.device.type, ctx.world_size, config.fsdp), config)
     gen = torch.Generator(device="cpu").manual_seed(ctx.rank)
     data = {
@@ -99,18 +97,25 @@ def main() -> None:
         r0 = results[0]
         tokens = sum(r["tokens_per_s"] for r in results) / len(results) * ws
         mfu = 6 * r0["n_params"] * tokens / (PEAK_BF16_FLOPS * ws) if device == "cuda" else float("nan")
-        print(f"world size {ws} ({device}), {r0['n_params'] / 1e6:.0f}M params, {args.batch} x {args.seq} tokens per rank")
+        print(
+            f"world size {ws} ({device}), {r0['n_params'] / 1e6:.0f}M params, {args.batch} x {args.seq} tokens per rank"
+        )
         for rank, r in enumerate(results):
             peak = f"  peak allocated {r['peak_gib']:.2f} GiB" if "peak_gib" in r else ""
-            print(f"  rank {rank}: params {r['params_gib']:.3f} GiB  grads {r['grads_gib']:.3f} GiB  "
-                  f"optimizer {r['optim_gib']:.3f} GiB  = {r['params_gib'] + r['grads_gib'] + r['optim_gib']:.3f} GiB{peak}")
+            print(
+                f"  rank {rank}: params {r['params_gib']:.3f} GiB  grads {r['grads_gib']:.3f} GiB  "
+                f"optimizer {r['optim_gib']:.3f} GiB  = "
+                f"{r['params_gib'] + r['grads_gib'] + r['optim_gib']:.3f} GiB{peak}"
+            )
         print(f"  step {r0['step_s']:.3f} s  training tokens/s {tokens:,.0f} (all ranks)  MFU {mfu:.1%}")
     if len(rows) > 1:
         base = min(rows)
         state = {ws: sum(rows[ws][0][k] for k in ("params_gib", "grads_gib", "optim_gib")) for ws in rows}
         for ws in sorted(rows):
-            print(f"params+grads+optimizer per rank at world size {ws} / at {base}: {state[ws] / state[base]:.3f} "
-                  f"(ideal {base / ws:.3f})")
+            print(
+                f"params+grads+optimizer per rank at world size {ws} / at {base}: {state[ws] / state[base]:.3f} "
+                f"(ideal {base / ws:.3f})"
+            )
 
 
 if __name__ == "__main__":

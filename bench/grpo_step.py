@@ -25,10 +25,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from shapes import PEAK_BF16_FLOPS, SHAPES
+
 import rlkit
 from rlkit.models.tiny import TINY_MODEL_DIR
-
-from shapes import PEAK_BF16_FLOPS, SHAPES
 
 
 def build_model_dir(shape: str, root: Path) -> Path:

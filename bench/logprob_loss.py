@@ -1,4 +1,6 @@
-"""The loss's log-prob path alone: fp32 autograd over the whole vocabulary against the chunked one (figures, not a test).
+"""The loss's log-prob path alone: fp32 autograd over the whole vocabulary against the chunked one.
+
+Figures, not a test.
 
     python bench/logprob_loss.py [--rows 4096] [--vocab 151936] [--dtype bf16] [--repeats 3]
 

@@ -44,7 +44,10 @@ def main() -> None:
         history = trainer.fit(args.steps, progress=False)
     parts = shares(history)
     step = history["time/step"].iloc[1:].mean()
-    print(f"launch {launched:.1f}s; {args.steps} steps on {args.world_size} ranks; mean step {step:.3f}s (first step excluded)")
+    print(
+        f"launch {launched:.1f}s; {args.steps} steps on {args.world_size} ranks; "
+        f"mean step {step:.3f}s (first step excluded)"
+    )
     print(f"{'part':<22}{'seconds':>9}{'share':>8}")
     for name, seconds in parts.items():
         print(f"{name:<22}{seconds:>9.3f}{seconds / step:>8.1%}")

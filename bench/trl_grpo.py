@@ -93,7 +93,9 @@ def main() -> None:
 
     model_dir = build_model_dir(args.shape, args.root)
     rng = random.Random(0)
-    prompts = ["".join(rng.choice("0123456789") for _ in range(args.prompt_len)) for _ in range(args.prompts * args.steps)]
+    prompts = [
+        "".join(rng.choice("0123456789") for _ in range(args.prompt_len)) for _ in range(args.prompts * args.steps)
+    ]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.pad_token = tokenizer.eos_token
     completions = args.prompts * args.group
@@ -145,11 +147,16 @@ def main() -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
         "log_keys": sorted({k for r in logs for k in r}),
     }
-    print(f"TRL GRPO step: {args.shape}, {args.prompts}x{args.group} completions of {args.response_len} tokens, "
-          f"beta {args.beta}, micro-batch {args.micro}, gradient checkpointing {args.gradient_checkpointing}: median step {step:.3f} s (all: {', '.join(f'{t:.2f}' for t in timer.times)}); "
-          f"peak {figures['peak_gib']:.1f} GiB")
-    print(f"  generate {generate:.3f} s ({figures['rollout_tokens_per_s']:.0f} tokens/s), the rest of the step "
-          f"{step - generate:.3f} s ({figures['train_tokens_per_s']:.0f} training tokens/s)")
+    print(
+        f"TRL GRPO step: {args.shape}, {args.prompts}x{args.group} completions of {args.response_len} tokens, "
+        f"beta {args.beta}, micro-batch {args.micro}, gradient checkpointing {args.gradient_checkpointing}: "
+        f"median step {step:.3f} s (all: {', '.join(f'{t:.2f}' for t in timer.times)}); "
+        f"peak {figures['peak_gib']:.1f} GiB"
+    )
+    print(
+        f"  generate {generate:.3f} s ({figures['rollout_tokens_per_s']:.0f} tokens/s), the rest of the step "
+        f"{step - generate:.3f} s ({figures['train_tokens_per_s']:.0f} training tokens/s)"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
 

@@ -43,17 +43,28 @@ def train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"rlkit: {config.algorithm.upper()} on model={config.model!r}, {args.world_size} worker(s), {config.steps} steps", flush=True)
+    print(
+        f"rlkit: {config.algorithm.upper()} on model={config.model!r}, {args.world_size} worker(s), "
+        f"{config.steps} steps",
+        flush=True,
+    )
     start = time.perf_counter()
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
         trainer = rlkit.Trainer(cluster, config)
-        print(f"workers ready in {time.perf_counter() - start:.1f}s on {cluster.device}; logs in {cluster.log_dir}", flush=True)
+        print(
+            f"workers ready in {time.perf_counter() - start:.1f}s on {cluster.device}; logs in {cluster.log_dir}",
+            flush=True,
+        )
         print(HEADER, flush=True)
         trainer.fit(progress=False, on_step=lambda row: print(format_step(row), flush=True))
         history = trainer.history
     first, last = history["reward/mean"].head(3).mean(), history["reward/mean"].tail(3).mean()
-    print(f"mean reward: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; total {time.perf_counter() - start:.0f}s")
-    report = write_report(history, args.report, title=f"rlkit {config.algorithm.upper()}: {config.model}", config=config.to_dict())
+    print(
+        f"mean reward: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; total {time.perf_counter() - start:.0f}s"
+    )
+    report = write_report(
+        history, args.report, title=f"rlkit {config.algorithm.upper()}: {config.model}", config=config.to_dict()
+    )
     print(f"report: {report.resolve()}")
     return 0
 
@@ -62,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run GRPO or PPO from a TOML config (default: GRPO on the bundled tiny task)")
-    p.add_argument("config", nargs="?", help='TOML file mirroring rlkit.GRPOConfig (algorithm = "ppo" at the top: rlkit.PPOConfig); omit for the defaults')
+    p.add_argument(
+        "config",
+        nargs="?",
+        help='TOML file mirroring rlkit.GRPOConfig (algorithm = "ppo" at the top: rlkit.PPOConfig); '
+        "omit for the defaults",
+    )
     p.add_argument("--world-size", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--steps", type=int, help="override config.steps")

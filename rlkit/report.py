@@ -15,7 +15,9 @@ def write_report(history: pd.DataFrame, path: str | Path, *, title: str, config:
     from plotly.subplots import make_subplots
 
     fig = make_subplots(
-        rows=2, cols=2, subplot_titles=("mean reward", "KL to reference / approx", "response length", "seconds per phase")
+        rows=2,
+        cols=2,
+        subplot_titles=("mean reward", "KL to reference / approx", "response length", "seconds per phase"),
     )
     x = history["step"]
     fig.add_trace(go.Scatter(x=x, y=history["reward/mean"], name="reward/mean", mode="lines+markers"), row=1, col=1)

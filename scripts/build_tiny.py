@@ -114,10 +114,10 @@ def sft_batch(
     """Right-padded ``input_ids`` and ``labels``, both [batch, seq]; labels are -100 outside answer + eos."""
     prompt_ids = tokenizer([f"{a}+{b}=" for a, b in pairs])["input_ids"]
     answer_ids = tokenizer([noisy_answer(a, b, correct_prob, rng) + EOS_TEXT for a, b in pairs])["input_ids"]
-    width = max(len(p) + len(c) for p, c in zip(prompt_ids, answer_ids))
+    width = max(len(p) + len(c) for p, c in zip(prompt_ids, answer_ids, strict=True))
     input_ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
     labels = torch.full((len(pairs), width), -100)
-    for row, (p, c) in enumerate(zip(prompt_ids, answer_ids)):
+    for row, (p, c) in enumerate(zip(prompt_ids, answer_ids, strict=True)):
         input_ids[row, : len(p) + len(c)] = torch.tensor(p + c)
         labels[row, len(p) : len(p) + len(c)] = torch.tensor(c)
     return input_ids, labels

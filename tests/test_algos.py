@@ -317,7 +317,11 @@ def test_policy_loss_vectorised_matches_loop_reference():
 def test_clipped_value_loss_hand_computed():
     from rlkit.algos import clipped_value_loss
 
-    values, old, returns = torch.tensor([[1.5, 1.1, 0.5]]), torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([[2.0, 2.0, 0.0]])
+    values, old, returns = (
+        torch.tensor([[1.5, 1.1, 0.5]]),
+        torch.tensor([[1.0, 1.0, 1.0]]),
+        torch.tensor([[2.0, 2.0, 0.0]]),
+    )
     loss, clipped = clipped_value_loss(values, old, returns, clip=0.2)
     # V=1.5 moves past 1.2: (1.2-2)^2 = 0.64 > 0.25; V=1.1 is inside; V=0.5 clips to 0.8: 0.64 > 0.25
     torch.testing.assert_close(loss, torch.tensor([[0.32, 0.405, 0.32]]))
@@ -344,8 +348,14 @@ def test_kl_reward_penalty_and_explained_variance():
     from rlkit.algos import explained_variance, kl_reward_penalty
 
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    out = kl_reward_penalty(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[-1.0, -2.0, -3.0]]),
-                            torch.tensor([[-1.5, -1.0, -1.0]]), mask, coef=0.1, estimator="k1")
+    out = kl_reward_penalty(
+        torch.tensor([[0.0, 1.0, 0.0]]),
+        torch.tensor([[-1.0, -2.0, -3.0]]),
+        torch.tensor([[-1.5, -1.0, -1.0]]),
+        mask,
+        coef=0.1,
+        estimator="k1",
+    )
     torch.testing.assert_close(out, torch.tensor([[-0.05, 1.1, 0.0]]))
     returns = torch.tensor([[1.0, 3.0, 99.0]])
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)

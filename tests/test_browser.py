@@ -23,8 +23,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = ROOT / "reports" / "browser"
 TABS = {"sharding": 1, "memory": 3, "grad norms": 2, "rollouts": 1, "lint": 0}  # figures drawn in each tab
 # JupyterLab settings: every cell in the DOM (no virtual scrolling), no news or update checks.
@@ -54,15 +62,35 @@ class Lab:
             path = home / "settings" / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(value))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-               "IPYTHONDIR": str(home / "ipython"), "JUPYTER_CONFIG_DIR": str(home / "config")}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+            "IPYTHONDIR": str(home / "ipython"),
+            "JUPYTER_CONFIG_DIR": str(home / "config"),
+        }
         self.log = (home / "lab.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
-             "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
-             f"--LabApp.user_settings_dir={home / 'settings'}", f"--LabApp.workspaces_dir={home / 'workspaces'}",
-             "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False", "--allow-root"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={self.port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={root}",
+                f"--LabApp.user_settings_dir={home / 'settings'}",
+                f"--LabApp.workspaces_dir={home / 'workspaces'}",
+                "--LabApp.extension_manager=readonly",
+                "--ServerApp.terminals_enabled=False",
+                "--allow-root",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 60
         while True:
@@ -112,7 +140,9 @@ def all_cells_done(page, lab: Lab, above: int) -> bool:
     prompts = page.locator(".jp-Notebook .jp-Cell.jp-CodeCell .jp-InputPrompt").all_inner_texts()
     counts = page.locator(".jp-Notebook .jp-Cell").evaluate_all(
         "(cells, n) => cells.slice(0, n).filter(c => c.classList.contains('jp-CodeCell'))"
-        ".map(c => c.querySelector('.jp-InputPrompt').innerText)", above)
+        ".map(c => c.querySelector('.jp-InputPrompt').innerText)",
+        above,
+    )
     return all(re.search(r"\[\d+\]", c) for c in counts) and not any("*" in p for p in prompts) and lab.kernels_idle()
 
 
@@ -147,7 +177,7 @@ def drive(page, lab: Lab, cells: int) -> None:
     for tab, drawn in TABS.items():  # each tab draws its figures when shown
         dashboard.locator(".lm-TabBar-tab", has_text=tab).click()
         visible = dashboard.locator(".js-plotly-plot:visible .main-svg")
-        wait_until(lambda: visible.count() >= drawn, 30, f"the {tab} tab's figures")
+        wait_until(lambda visible=visible, drawn=drawn: visible.count() >= drawn, 30, f"the {tab} tab's figures")
         dashboard.screenshot(path=str(ARTIFACTS / f"quickstart_tab_{tab.replace(' ', '_')}.png"))
     assert "No findings" in dashboard.inner_text()
 

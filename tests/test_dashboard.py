@@ -67,7 +67,9 @@ def test_dashboard_steps_in_the_background_and_views_follow(cluster, tmp_path):
     assert 3 <= done < 50, "Stop did not end the run between steps"
     assert f"step {done}" in dash._status.value and dash._bar.value == done - 1 and dash._bar.max == 50
     assert list(views["training"].history["step"]) == list(range(1, done + 1))
-    assert sorted(set(views["memory"].marks["step"])) == list(range(1, done + 1))  # every step's marks, not just the drawn ones
+    assert sorted(set(views["memory"].marks["step"])) == list(
+        range(1, done + 1)
+    )  # every step's marks, not just the drawn ones
     drawn = views["training"].widget().children[0].outputs[0]["data"]["application/vnd.plotly.v1+json"]
     assert drawn["layout"]["title"]["text"] == "reward" and len(drawn["data"]) == 3
 
@@ -120,8 +122,12 @@ def test_runner_calls_back_in_order_and_stays_running_until_on_end_returned():
         if row["step"] == 2:
             runner.stop()
 
-    runner = Runner(Steps(), on_step=on_step, on_end=lambda e: events.append(("end", e, runner.running)),
-                    on_idle=lambda: events.append(("idle", runner.running)))
+    runner = Runner(
+        Steps(),
+        on_step=on_step,
+        on_end=lambda e: events.append(("end", e, runner.running)),
+        on_idle=lambda: events.append(("idle", runner.running)),
+    )
     runner.start(10)
     assert runner.wait(10)
     assert events == [("step", 1, True), ("step", 2, True), ("end", None, True), ("idle", False)]

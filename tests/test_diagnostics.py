@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_models import adamw, fsdp1, fsdp2, net
 from torch import nn
 
 import rlkit
@@ -15,8 +16,6 @@ from rlkit import diagnostics as dx
 from rlkit.data.batch import Batch
 from rlkit.diagnostics.agreement import outliers
 from rlkit.runtime import context
-
-from fsdp_models import adamw, fsdp1, fsdp2, net
 
 MiB = 2**20
 WORLD = 2
@@ -117,7 +116,7 @@ def fsdp1_local_numels(shapes: list[torch.Size], rank: int) -> list[int]:
     per_rank = math.ceil(sum(numels) / WORLD)
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     starts = [sum(numels[:i]) for i in range(len(numels))]
-    return [max(0, min(hi, s + n) - max(lo, s)) for s, n in zip(starts, numels)]
+    return [max(0, min(hi, s + n) - max(lo, s)) for s, n in zip(starts, numels, strict=True)]
 
 
 def expected_layout(api: int) -> dict[tuple[str, int], tuple[tuple[int, ...], int]]:
@@ -132,7 +131,7 @@ def expected_layout(api: int) -> dict[tuple[str, int], tuple[tuple[int, ...], in
         for rank in range(WORLD):
             if api == 1:
                 numels = fsdp1_local_numels([p.shape for _, p in members], rank)
-                for (name, _), n in zip(members, numels):
+                for (name, _), n in zip(members, numels, strict=True):
                     out[name, rank] = ((n,), 0)
             else:
                 for name, p in members:

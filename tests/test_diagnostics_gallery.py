@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fsdp_models import Block, D, adamw, fsdp1, fsdp2, net
 from torch import nn
 
 import rlkit
 from rlkit import diagnostics as dx
 from rlkit.runtime import context
-
-from fsdp_models import D, Block, adamw, fsdp1, fsdp2, net
 
 
 def build(case: str, fixed: bool) -> dx.RankReport:

@@ -20,8 +20,15 @@ lr * g / (|g| + eps), eps = 1e-8) can take either sign: such entries are held to
 def small_model() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=32, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     return Qwen2ForCausalLM(config)
 
@@ -47,7 +54,9 @@ def make_batch(n: int = 8) -> dict[str, torch.Tensor]:
 
 def config(version: int, micro: int) -> rlkit.GRPOConfig:
     return rlkit.GRPOConfig(
-        clip_eps=CLIP, kl_coef=KL, micro_batch_size=micro,
+        clip_eps=CLIP,
+        kl_coef=KL,
+        micro_batch_size=micro,
         rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH),
         optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5),
         fsdp=rlkit.FSDPConfig(version=version),
@@ -102,7 +111,10 @@ def sharded_update(version: int, micro: int) -> dict:
     shard = {k: v[ctx.rank * half : (ctx.rank + 1) * half] for k, v in make_batch().items()}
     sums, _ = actor.train_step(shard)
     dist.all_reduce(sums)
-    return {"loss": dict(zip(STAT_NAMES, sums.tolist()))["loss"], "weights": dict(iter_full_params(actor.model))}
+    return {
+        "loss": dict(zip(STAT_NAMES, sums.tolist(), strict=True))["loss"],
+        "weights": dict(iter_full_params(actor.model)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +177,9 @@ def test_other_strategies_match_reference(cluster, fsdp):
 
 def test_cluster_dependent_config_problems():
     with pytest.raises(rlkit.ConfigError) as err:
-        rlkit.GRPOConfig(fsdp=rlkit.FSDPConfig(sharding="hybrid", hybrid_shard_size=3, cpu_offload=True)).check_cluster(4, "cpu")
+        rlkit.GRPOConfig(fsdp=rlkit.FSDPConfig(sharding="hybrid", hybrid_shard_size=3, cpu_offload=True)).check_cluster(
+            4, "cpu"
+        )
     assert "hybrid_shard_size=3 does not divide world_size=4" in str(err.value)
     assert "cpu_offload=True on a CPU cluster" in str(err.value)
 

@@ -23,8 +23,15 @@ def update_and_gather(version: int) -> dict:
     ctx = context()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(
-        Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        Qwen2Config(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
     ).to(ctx.device)
     cfg = rlkit.GRPOConfig(rollout=rlkit.RolloutConfig(max_new_tokens=8), fsdp=rlkit.FSDPConfig(version=version))
     actor = Actor(model, build_mesh("cuda", ctx.world_size, cfg.fsdp), cfg)
@@ -41,7 +48,7 @@ def update_and_gather(version: int) -> dict:
     dist.all_reduce(sums)
     weights = dict(iter_full_params(actor.model))
     return {
-        "loss": dict(zip(STAT_NAMES, sums.tolist()))["loss"],
+        "loss": dict(zip(STAT_NAMES, sums.tolist(), strict=True))["loss"],
         "norm": norm,
         "checksums": {k: v.double().sum().item() for k, v in weights.items()},
         "backend": ctx.backend,
@@ -65,8 +72,9 @@ def test_two_gpu_update_agrees_across_ranks(version):
 def test_trainer_steps_on_gpus(world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} CUDA devices")
-    config = rlkit.GRPOConfig(model="tiny", prompts_per_step=16, group_size=8, kl_coef=0.01,
-                              rollout=rlkit.RolloutConfig(max_new_tokens=6))
+    config = rlkit.GRPOConfig(
+        model="tiny", prompts_per_step=16, group_size=8, kl_coef=0.01, rollout=rlkit.RolloutConfig(max_new_tokens=6)
+    )
     with rlkit.launch(world_size=world_size, device="cuda") as cluster:
         trainer = rlkit.Trainer(cluster, config)
         history = trainer.fit(3, progress=False)
@@ -75,15 +83,20 @@ def test_trainer_steps_on_gpus(world_size):
     assert history["rollout/logprob_gap/mean"].max() < 0.1
 
 
-
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("recompute_logprobs", [True, False])
 def test_vllm_engine_follows_the_actor_through_cuda_ipc_syncs(recompute_logprobs):
     """Updates that move the policy; rollouts after a sync match the trainer, one after a skipped sync does not."""
-    config = rlkit.GRPOConfig(model="tiny", prompts_per_step=16, group_size=8, recompute_logprobs=recompute_logprobs,
-                              optim=rlkit.OptimConfig(lr=5e-3), rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6))
+    config = rlkit.GRPOConfig(
+        model="tiny",
+        prompts_per_step=16,
+        group_size=8,
+        recompute_logprobs=recompute_logprobs,
+        optim=rlkit.OptimConfig(lr=5e-3),
+        rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6),
+    )
     with rlkit.launch(world_size=1, device="cuda") as cluster:
         trainer = rlkit.Trainer(cluster, config)
         synced = trainer.fit(3, progress=False)

@@ -77,7 +77,7 @@ def sharded_policy_update(mode: str, micro: int, policy_loss_fn=None) -> dict:
     shard = {k: v[ctx.rank * half : (ctx.rank + 1) * half] for k, v in make_batch().items()}
     sums, _ = actor.train_step(shard)
     dist.all_reduce(sums)
-    return {"stats": dict(zip(STAT_NAMES, sums.tolist())), "weights": dict(iter_full_params(actor.model))}
+    return {"stats": dict(zip(STAT_NAMES, sums.tolist(), strict=True)), "weights": dict(iter_full_params(actor.model))}
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def sharded_critic(model_dir: str, micro: int, fsdp_version: int) -> dict:
     keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
     sums, _ = critic.train_step({k: shard[k] for k in keys})
     dist.all_reduce(sums)
-    stats = dict(zip(CRITIC_STATS, sums.tolist()))
+    stats = dict(zip(CRITIC_STATS, sums.tolist(), strict=True))
     return {"values": values, "stats": stats, "weights": dict(iter_full_params(critic.model))}
 
 

@@ -13,9 +13,24 @@ from rlkit.models import resolve_model_dir
 
 ROLLOUT = rlkit.RolloutConfig(max_new_tokens=6)
 METRICS = [
-    "policy/clipfrac", "policy/approx_kl", "policy/entropy", "critic/explained_variance", "critic/value_clipfrac",
-    "critic/loss", "reward/mean", "reward/std", "response/length/mean", "response/length/max", "grad/norm",
-    "optim/lr", "critic/lr", "time/rollout", "time/score", "time/advantages", "time/update", "perf/tokens_per_s",
+    "policy/clipfrac",
+    "policy/approx_kl",
+    "policy/entropy",
+    "critic/explained_variance",
+    "critic/value_clipfrac",
+    "critic/loss",
+    "reward/mean",
+    "reward/std",
+    "response/length/mean",
+    "response/length/max",
+    "grad/norm",
+    "optim/lr",
+    "critic/lr",
+    "time/rollout",
+    "time/score",
+    "time/advantages",
+    "time/update",
+    "perf/tokens_per_s",
 ]
 
 
@@ -37,8 +52,14 @@ def critic_weights() -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(400)
 def test_ppo_with_critic_raises_mean_reward(cluster):
     config = rlkit.PPOConfig(
-        model="tiny", seed=0, prompts_per_step=64, ppo_epochs=2, mini_batches=2, rollout=ROLLOUT,
-        optim=rlkit.OptimConfig(lr=5e-4), critic=rlkit.CriticConfig(optim=rlkit.OptimConfig(lr=1e-3)),
+        model="tiny",
+        seed=0,
+        prompts_per_step=64,
+        ppo_epochs=2,
+        mini_batches=2,
+        rollout=ROLLOUT,
+        optim=rlkit.OptimConfig(lr=5e-4),
+        critic=rlkit.CriticConfig(optim=rlkit.OptimConfig(lr=1e-3)),
     )
     history = rlkit.Trainer(cluster, config).fit(steps=15, progress=False)
     first, last = history["reward/mean"].head(3).mean(), history["reward/mean"].tail(3).mean()
@@ -117,14 +138,23 @@ def test_reward_model_and_weighted_python_rewards(cluster, tmp_path):
         return [float(len(c) <= 3) for c in completions]
 
     config = rlkit.GRPOConfig(
-        model="tiny", seed=0, prompts_per_step=6, group_size=4, micro_batch_size=5, rollout=ROLLOUT,
+        model="tiny",
+        seed=0,
+        prompts_per_step=6,
+        group_size=4,
+        micro_batch_size=5,
+        rollout=ROLLOUT,
         reward_model=rlkit.RewardModelConfig(path=str(tmp_path), weight=0.5),
     )
     trainer = rlkit.Trainer(cluster, config, reward_fn={"short": (short, 2.0)})
     batch = trainer.score(trainer.rollout())
-    texts = [p + c for p, c in zip(batch.prompts, batch.completions)]
-    torch.testing.assert_close(batch.reward_terms["reward_model"], reference_scores(tmp_path, texts), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(batch.rewards, 2.0 * batch.reward_terms["short"] + 0.5 * batch.reward_terms["reward_model"])
+    texts = [p + c for p, c in zip(batch.prompts, batch.completions, strict=True)]
+    torch.testing.assert_close(
+        batch.reward_terms["reward_model"], reference_scores(tmp_path, texts), rtol=1e-4, atol=1e-5
+    )
+    torch.testing.assert_close(
+        batch.rewards, 2.0 * batch.reward_terms["short"] + 0.5 * batch.reward_terms["reward_model"]
+    )
 
 
 @pytest.mark.timeout(200)
@@ -169,9 +199,22 @@ def test_grpo_family_settings_run_through_the_trainer(cluster):
     from rlkit.trainer.estimate import advantage_inputs
 
     config = rlkit.GRPOConfig(
-        model="tiny", seed=2, prompts_per_step=4, group_size=2, advantage="reinforce++", gamma=0.9,
-        kl_coef=0.05, kl_mode="reward", kl_estimator="k1", loss_agg="seq-mean-token-sum",
-        clip_high=0.28, dual_clip=3.0, entropy_coef=0.01, ppo_epochs=2, rollout=ROLLOUT, optim=rlkit.OptimConfig(lr=1e-3),
+        model="tiny",
+        seed=2,
+        prompts_per_step=4,
+        group_size=2,
+        advantage="reinforce++",
+        gamma=0.9,
+        kl_coef=0.05,
+        kl_mode="reward",
+        kl_estimator="k1",
+        loss_agg="seq-mean-token-sum",
+        clip_high=0.28,
+        dual_clip=3.0,
+        entropy_coef=0.01,
+        ppo_epochs=2,
+        rollout=ROLLOUT,
+        optim=rlkit.OptimConfig(lr=1e-3),
     )
     trainer = rlkit.Trainer(cluster, config)
     trainer.step()

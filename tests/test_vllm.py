@@ -22,7 +22,11 @@ GAP_LIMIT = 1e-3
 def grpo_config(engine: str = "vllm") -> rlkit.GRPOConfig:
     """The quickstart's setup (bundled tiny model and task), smaller."""
     return rlkit.GRPOConfig(
-        model="tiny", seed=0, prompts_per_step=4, group_size=4, optim=rlkit.OptimConfig(lr=2e-3),
+        model="tiny",
+        seed=0,
+        prompts_per_step=4,
+        group_size=4,
+        optim=rlkit.OptimConfig(lr=2e-3),
         rollout=rlkit.RolloutConfig(engine=engine, max_new_tokens=6, max_logprob_gap=GAP_LIMIT),
     )
 
@@ -67,7 +71,11 @@ def greedy_both(prompts: list[str]) -> dict[str, torch.Tensor]:
     out = {}
     for name, engine in (("vllm", worker.engine), ("hf", hf)):
         gen = engine.generate(enc["input_ids"], enc["attention_mask"], params)
-        out[f"{name}_ids"], out[f"{name}_mask"], out[f"{name}_logprobs"] = gen.response_ids, gen.response_mask, gen.logprobs
+        out[f"{name}_ids"], out[f"{name}_mask"], out[f"{name}_logprobs"] = (
+            gen.response_ids,
+            gen.response_mask,
+            gen.logprobs,
+        )
     return out
 
 

@@ -29,11 +29,26 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 # -- recorded data ----------------------------------------------------------------------------------
 
+
 def param(rank, name, unit, global_shape, local_shape, nbytes):
-    return {"rank": rank, "name": name, "unit": unit, "global_shape": global_shape, "dtype": "float32",
-            "local_shape": local_shape, "local_numel": nbytes // 4, "local_bytes": nbytes, "device": "cpu",
-            "requires_grad": True, "shards": 2 if unit is not None else 1, "shard_index": rank if unit else 0,
-            "grad_bytes": nbytes, "optim_bytes": 2 * nbytes, "replaced": False, "replacement_shape": None}
+    return {
+        "rank": rank,
+        "name": name,
+        "unit": unit,
+        "global_shape": global_shape,
+        "dtype": "float32",
+        "local_shape": local_shape,
+        "local_numel": nbytes // 4,
+        "local_bytes": nbytes,
+        "device": "cpu",
+        "requires_grad": True,
+        "shards": 2 if unit is not None else 1,
+        "shard_index": rank if unit else 0,
+        "grad_bytes": nbytes,
+        "optim_bytes": 2 * nbytes,
+        "replaced": False,
+        "replacement_shape": None,
+    }
 
 
 def sharding(unwrapped: bool) -> dx.Sharding:
@@ -43,21 +58,62 @@ def sharding(unwrapped: bool) -> dx.Sharding:
         params += [param(r, "norm.weight", "", (4,), (2,), 8), param(r, "layers.0.w", "layers.0", (8, 4), (4, 4), 64)]
         if unwrapped:
             params.append(param(r, "head.w", None, (3, 4), (3, 4), 48))
-    units = pd.DataFrame([
-        {"name": "(root)", "api": "FSDP2", "strategy": "FULL_SHARD", "shard_size": 2, "params": 1, "numel": 4,
-         "rank0_mb": 8 / MiB, "rank1_mb": 8 / MiB},
-        {"name": "layers.0", "api": "FSDP2", "strategy": "FULL_SHARD", "shard_size": 2, "params": 1, "numel": 32,
-         "rank0_mb": 64 / MiB, "rank1_mb": 64 / MiB},
-    ])
-    scaling = pd.DataFrame([
-        {"world_size": 1, "source": "whole model", "parameters_mb": 1.0, "gradients_mb": 1.0, "optimizer_mb": 2.0,
-         "per_rank_mb": 4.0, "ideal_mb": 4.0, "vs_ideal": 1.0},
-        {"world_size": 2, "source": "measured", "parameters_mb": 0.6, "gradients_mb": 0.6, "optimizer_mb": 1.2,
-         "per_rank_mb": 2.4, "ideal_mb": 2.0, "vs_ideal": 1.2},
-    ])
+    units = pd.DataFrame(
+        [
+            {
+                "name": "(root)",
+                "api": "FSDP2",
+                "strategy": "FULL_SHARD",
+                "shard_size": 2,
+                "params": 1,
+                "numel": 4,
+                "rank0_mb": 8 / MiB,
+                "rank1_mb": 8 / MiB,
+            },
+            {
+                "name": "layers.0",
+                "api": "FSDP2",
+                "strategy": "FULL_SHARD",
+                "shard_size": 2,
+                "params": 1,
+                "numel": 32,
+                "rank0_mb": 64 / MiB,
+                "rank1_mb": 64 / MiB,
+            },
+        ]
+    )
+    scaling = pd.DataFrame(
+        [
+            {
+                "world_size": 1,
+                "source": "whole model",
+                "parameters_mb": 1.0,
+                "gradients_mb": 1.0,
+                "optimizer_mb": 2.0,
+                "per_rank_mb": 4.0,
+                "ideal_mb": 4.0,
+                "vs_ideal": 1.0,
+            },
+            {
+                "world_size": 2,
+                "source": "measured",
+                "parameters_mb": 0.6,
+                "gradients_mb": 0.6,
+                "optimizer_mb": 1.2,
+                "per_rank_mb": 2.4,
+                "ideal_mb": 2.0,
+                "vs_ideal": 1.2,
+            },
+        ]
+    )
     totals = pd.DataFrame([{"rank": r, "role": "model", "tensors": 2, "parameters_mb": 1.0} for r in (0, 1)])
-    return dx.Sharding(params=pd.DataFrame(params), units=units, totals=totals,
-                       unwrapped=["head.w"] if unwrapped else [], scaling=scaling)
+    return dx.Sharding(
+        params=pd.DataFrame(params),
+        units=units,
+        totals=totals,
+        unwrapped=["head.w"] if unwrapped else [],
+        scaling=scaling,
+    )
 
 
 def marks(steps=(1, 2), *, gpu: bool = False) -> pd.DataFrame:
@@ -66,12 +122,27 @@ def marks(steps=(1, 2), *, gpu: bool = False) -> pd.DataFrame:
     for step in steps:
         for rank in (0, 1):
             for i, phase in enumerate(("rollout", "optimizer_step")):
-                parts = {"parameters_mb": 10.0 + rank, "gradients_mb": 5.0 * i, "optimizer_mb": 20.0 * i,
-                         "engine_mb": 7.0, "other_mb": 100.0 + step}
+                parts = {
+                    "parameters_mb": 10.0 + rank,
+                    "gradients_mb": 5.0 * i,
+                    "optimizer_mb": 20.0 * i,
+                    "engine_mb": 7.0,
+                    "other_mb": 100.0 + step,
+                }
                 total = sum(parts.values())
-                rows.append({"step": step, "rank": rank, "index": i, "phase": phase, "rss_mb": total + 300,
-                             "allocated_mb": total if gpu else math.nan, "reserved_mb": math.nan,
-                             "peak_mb": total + 1 if gpu else math.nan, **parts})
+                rows.append(
+                    {
+                        "step": step,
+                        "rank": rank,
+                        "index": i,
+                        "phase": phase,
+                        "rss_mb": total + 300,
+                        "allocated_mb": total if gpu else math.nan,
+                        "reserved_mb": math.nan,
+                        "peak_mb": total + 1 if gpu else math.nan,
+                        **parts,
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -80,13 +151,19 @@ def grad_norms(*, bad_rank1: bool) -> dx.GradNorms:
     true = math.sqrt(29)
     reports = []
     for rank, sumsq in ((0, 9.0), (1, 16.0)):
-        reports.append(dx.GradReport(
-            rank=rank, world_size=2, loss=0.5,
-            global_norm=7.0 if (bad_rank1 and rank == 1) else true,
-            entries=[GradEntry(name="layers.0.w", unit="layers.0", shards=2, shard_index=rank, sumsq=sumsq),
-                     GradEntry(name="head.w", unit="", shards=1, shard_index=0, sumsq=4.0)],
-            checksums={"grad:head.w": 11 if (bad_rank1 and rank == 1) else 10},
-        ))
+        reports.append(
+            dx.GradReport(
+                rank=rank,
+                world_size=2,
+                loss=0.5,
+                global_norm=7.0 if (bad_rank1 and rank == 1) else true,
+                entries=[
+                    GradEntry(name="layers.0.w", unit="layers.0", shards=2, shard_index=rank, sumsq=sumsq),
+                    GradEntry(name="head.w", unit="", shards=1, shard_index=0, sumsq=4.0),
+                ],
+                checksums={"grad:head.w": 11 if (bad_rank1 and rank == 1) else 10},
+            )
+        )
     return dx.grad_norms(reports)
 
 
@@ -98,11 +175,18 @@ def batch() -> Batch:
     logprobs[2, 1] = -2.5  # a gap of 2 nats on one token
     ids = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 4, 5, 0], [0, 1, 6, 7, 2], [0, 1, 3, 3, 3]])
     return Batch(
-        prompts=["ab"] * 4, completions=["cde", "ef", "ghc", "ddd"], input_ids=ids,
+        prompts=["ab"] * 4,
+        completions=["cde", "ef", "ghc", "ddd"],
+        input_ids=ids,
         attention_mask=torch.cat([torch.ones(4, 2, dtype=torch.long), response_mask.long()], dim=1),
-        response_mask=response_mask, rollout_logprobs=rollout_lp, logprobs=logprobs,
-        group=torch.tensor([0, 0, 1, 1]), rank=torch.tensor([0, 0, 1, 1]), finish_reason=["length", "stop"] * 2,
-        rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), reward_terms={"correct": torch.tensor([1.0, 0.0, 1.0, 1.0])},
+        response_mask=response_mask,
+        rollout_logprobs=rollout_lp,
+        logprobs=logprobs,
+        group=torch.tensor([0, 0, 1, 1]),
+        rank=torch.tensor([0, 0, 1, 1]),
+        finish_reason=["length", "stop"] * 2,
+        rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]),
+        reward_terms={"correct": torch.tensor([1.0, 0.0, 1.0, 1.0])},
         advantages=torch.tensor([0.7, -0.7, 0.0, 0.0]).unsqueeze(1).expand(4, 3),  # [B, T], per token
     )
 
@@ -112,6 +196,7 @@ def decode(i: int) -> str:
 
 
 # -- sharding -----------------------------------------------------------------------------------------
+
 
 def test_sharding_view_grid_hover_and_unwrapped_highlight():
     view = ShardingView(sharding(unwrapped=True))
@@ -138,6 +223,7 @@ def test_sharding_view_without_unwrapped_has_no_highlight():
 
 # -- memory -------------------------------------------------------------------------------------------
 
+
 def test_memory_view_stacks_latest_step_by_category_and_tracks_totals():
     view = MemoryView(marks(), sharding(unwrapped=False).scaling)
     by_phase, across, scaling = view.figures()
@@ -149,8 +235,12 @@ def test_memory_view_stacks_latest_step_by_category_and_tracks_totals():
     # CPU: the total is RSS; one line per rank over step:phase
     assert [t.name for t in across.data] == ["rank 0", "rank 1"]
     assert list(across.data[0].x) == ["1:rollout", "1:optimizer_step", "2:rollout", "2:optimizer_step"]
-    assert list(across.data[0].y) == [10 + 7 + 101 + 300, 10 + 5 + 20 + 7 + 101 + 300, 10 + 7 + 102 + 300,
-                                      10 + 5 + 20 + 7 + 102 + 300]
+    assert list(across.data[0].y) == [
+        10 + 7 + 101 + 300,
+        10 + 5 + 20 + 7 + 101 + 300,
+        10 + 7 + 102 + 300,
+        10 + 5 + 20 + 7 + 102 + 300,
+    ]
     assert list(scaling.data[-1].y) == [4.0, 2.0] and scaling.data[-1].name == "ideal 1/N"
     assert "vs ideal 1.20" in scaling.data[-1].text[1]
 
@@ -171,6 +261,7 @@ def test_memory_view_before_any_mark():
 
 
 # -- gradient norms -----------------------------------------------------------------------------------
+
 
 def test_grad_norm_view_draws_local_and_global_norms_and_flags_the_odd_rank():
     view = GradNormView(grad_norms(bad_rank1=True))
@@ -198,6 +289,7 @@ def test_grad_norm_view_when_ranks_agree_and_before_any_update():
 
 
 # -- rollouts -----------------------------------------------------------------------------------------
+
 
 def spans(page_html: str) -> list[tuple[str, str]]:
     """(background, text) of every token span."""
@@ -242,12 +334,23 @@ def test_rollout_view_before_scoring_and_before_any_rollout():
 
 # -- lint, training curves ------------------------------------------------------------------------------
 
+
 def test_lint_view_lists_findings_escaped_errors_first():
-    findings = Findings([
-        Finding(id="optimizer-before-wrap", severity="error", message="stale <params>", evidence="3 tensors",
-                fix="wrap first", ranks=(0, 1)),
-        Finding(id="no-shard", severity="warning", message="NO_SHARD", evidence="unit ''", fix="FULL_SHARD", ranks=(1,)),
-    ])
+    findings = Findings(
+        [
+            Finding(
+                id="optimizer-before-wrap",
+                severity="error",
+                message="stale <params>",
+                evidence="3 tensors",
+                fix="wrap first",
+                ranks=(0, 1),
+            ),
+            Finding(
+                id="no-shard", severity="warning", message="NO_SHARD", evidence="unit ''", fix="FULL_SHARD", ranks=(1,)
+            ),
+        ]
+    )
     view = LintView(findings)
     page = view.summary_html()
     assert view.counts() == {"error": 1, "warning": 1} and "1 error(s), 1 warning(s)" in page
@@ -258,9 +361,18 @@ def test_lint_view_lists_findings_escaped_errors_first():
 
 
 def test_training_view_curves():
-    history = pd.DataFrame({"step": [1, 2, 3], "reward/mean": [0.2, 0.5, 0.9], "reward/std": [0.1] * 3,
-                            "kl/mean": [0.0, 0.01, 0.02], "response/length/mean": [3.0, 4.0, 4.0],
-                            "time/rollout": [1.0] * 3, "time/update": [2.0] * 3, "time/step": [3.0] * 3})
+    history = pd.DataFrame(
+        {
+            "step": [1, 2, 3],
+            "reward/mean": [0.2, 0.5, 0.9],
+            "reward/std": [0.1] * 3,
+            "kl/mean": [0.0, 0.01, 0.02],
+            "response/length/mean": [3.0, 4.0, 4.0],
+            "time/rollout": [1.0] * 3,
+            "time/update": [2.0] * 3,
+            "time/step": [3.0] * 3,
+        }
+    )
     reward, other = TrainingView(history).figures()
     assert list(reward.data[2].y) == [0.2, 0.5, 0.9]
     assert [t.name for t in other.data] == ["kl/mean", "length/mean", "rollout", "update"]
@@ -269,11 +381,26 @@ def test_training_view_curves():
 
 # -- display, export, live widget -----------------------------------------------------------------------
 
+
 def all_views():
-    return [ShardingView(sharding(unwrapped=True)), MemoryView(marks(), sharding(unwrapped=True).scaling),
-            GradNormView(grad_norms(bad_rank1=True)), RolloutView(batch(), decode),
-            LintView(Findings([])), TrainingView(pd.DataFrame({"step": [1], "reward/mean": [0.5], "reward/std": [0.0],
-                                                               "kl/mean": [0.0], "response/length/mean": [2.0]}))]
+    return [
+        ShardingView(sharding(unwrapped=True)),
+        MemoryView(marks(), sharding(unwrapped=True).scaling),
+        GradNormView(grad_norms(bad_rank1=True)),
+        RolloutView(batch(), decode),
+        LintView(Findings([])),
+        TrainingView(
+            pd.DataFrame(
+                {
+                    "step": [1],
+                    "reward/mean": [0.5],
+                    "reward/std": [0.0],
+                    "kl/mean": [0.0],
+                    "response/length/mean": [2.0],
+                }
+            )
+        ),
+    ]
 
 
 @pytest.mark.parametrize("view", all_views(), ids=lambda v: v.title)
@@ -321,9 +448,11 @@ def test_throttle_passes_once_per_interval():
 
 
 def test_import_rlkit_loads_no_jupyter_module():
-    code = ("import sys, rlkit, rlkit.diagnostics, rlkit.trainer; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "{'ipywidgets', 'IPython', 'ipykernel', 'jupyter_client', 'jupyter_core', 'comm', 'widgetsnbextension'} "
-            "or m.startswith('rlkit.widgets')))")
+    code = (
+        "import sys, rlkit, rlkit.diagnostics, rlkit.trainer; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'ipywidgets', 'IPython', 'ipykernel', 'jupyter_client', 'jupyter_core', 'comm', 'widgetsnbextension'} "
+        "or m.startswith('rlkit.widgets')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -104,12 +104,15 @@ class Dashboard:
     def static_html(self) -> str:
         """The ``text/html`` fallback: step, cluster status and each view's summary (no script)."""
         views = "".join(v.static_html() for v in self.views.values())
-        return (f'<div class="rlkit-view"><style>{STYLE}</style><h3>rlkit dashboard: step {self.trainer.steps_done}'
-                f"</h3>{self._cluster_html()}</div>{views}")
+        return (
+            f'<div class="rlkit-view"><style>{STYLE}</style><h3>rlkit dashboard: step {self.trainer.steps_done}'
+            f"</h3>{self._cluster_html()}</div>{views}"
+        )
 
     def summary_text(self) -> str:
-        return "\n\n".join([f"rlkit dashboard: step {self.trainer.steps_done}"]
-                           + [v.summary_text() for v in self.views.values()])
+        return "\n\n".join(
+            [f"rlkit dashboard: step {self.trainer.steps_done}"] + [v.summary_text() for v in self.views.values()]
+        )
 
     # -- the run's callbacks (background thread) ------------------------------------------------------
 
@@ -128,7 +131,9 @@ class Dashboard:
             log.exception("dashboard refresh failed")
             error = error or exc
         if error is not None:
-            self._error.value = f'<pre class="flag" style="color:#b00020">{html.escape(f"{type(error).__name__}: {error}")}</pre>'
+            self._error.value = (
+                f'<pre class="flag" style="color:#b00020">{html.escape(f"{type(error).__name__}: {error}")}</pre>'
+            )
 
     def _idle(self) -> None:
         self._set_buttons(running=False)
@@ -171,8 +176,11 @@ class Dashboard:
     def _cluster_html(self) -> str:
         status = self.trainer.cluster.status()
         down = status[~status["alive"]]
-        head = ('<p class="ok">cluster: all ranks alive</p>' if down.empty else
-                f'<p class="flag">cluster: rank(s) {", ".join(map(str, down["rank"]))} not alive</p>')
+        head = (
+            '<p class="ok">cluster: all ranks alive</p>'
+            if down.empty
+            else f'<p class="flag">cluster: rank(s) {", ".join(map(str, down["rank"]))} not alive</p>'
+        )
         return head + table_html(status)
 
     def _set_progress(self, done: int, total: int, row: dict | None = None) -> None:
@@ -198,7 +206,9 @@ class Dashboard:
 
         self._step_button = w.Button(description="Step", icon="step-forward", tooltip="one step in the background")
         self._run_button = w.Button(description="Run", icon="play", tooltip="run N steps in the background")
-        self._steps = w.BoundedIntText(value=run_steps, min=1, max=1_000_000, description="N", layout={"width": "140px"})
+        self._steps = w.BoundedIntText(
+            value=run_steps, min=1, max=1_000_000, description="N", layout={"width": "140px"}
+        )
         self._stop_button = w.Button(description="Stop", icon="stop", disabled=True, tooltip="stop after this step")
         self._refresh_button = w.Button(description="Refresh", icon="refresh", tooltip="re-read every diagnostic")
         self._step_button.on_click(lambda _: self.step())

@@ -44,20 +44,45 @@ class GradNormView(View):
         per_unit = go.Figure()
         for r in ranks["rank"]:
             bad = r in flagged
-            per_unit.add_trace(go.Bar(x=units["unit"], y=units[f"rank{r}"], name=f"rank {r}" + (" (mismatch)" if bad else ""),
-                                      marker_line={"color": FLAG if bad else "white", "width": 3 if bad else 0}))
-        per_unit.add_trace(go.Scatter(x=units["unit"], y=units["global"], name="global", mode="markers",
-                                      marker={"symbol": "diamond", "size": 11, "color": "black"}))
-        per_unit.update_layout(title="gradient norm per unit: each rank's local part and the global norm",
-                               barmode="group", yaxis_title="L2 norm", height=340, margin={"t": 40})
+            per_unit.add_trace(
+                go.Bar(
+                    x=units["unit"],
+                    y=units[f"rank{r}"],
+                    name=f"rank {r}" + (" (mismatch)" if bad else ""),
+                    marker_line={"color": FLAG if bad else "white", "width": 3 if bad else 0},
+                )
+            )
+        per_unit.add_trace(
+            go.Scatter(
+                x=units["unit"],
+                y=units["global"],
+                name="global",
+                mode="markers",
+                marker={"symbol": "diamond", "size": 11, "color": "black"},
+            )
+        )
+        per_unit.update_layout(
+            title="gradient norm per unit: each rank's local part and the global norm",
+            barmode="group",
+            yaxis_title="L2 norm",
+            height=340,
+            margin={"t": 40},
+        )
         reported = ranks["reported_norm"].fillna(ranks["local_norm"])
-        colors = [FLAG if (r in flagged or not ok) else OK for r, ok in zip(ranks["rank"], ranks["norm_ok"])]
-        per_rank = go.Figure(go.Bar(x=[f"rank {r}" for r in ranks["rank"]], y=reported, marker_color=colors,
-                                    name="reported global norm"))
-        per_rank.add_hline(y=self.norms.global_norm, line={"dash": "dash", "color": "black"},
-                           annotation_text=f"true global norm {self.norms.global_norm:.6g}")
-        per_rank.update_layout(title="global norm each rank used against the true one", yaxis_title="L2 norm",
-                               height=300, margin={"t": 40})
+        colors = [
+            FLAG if (r in flagged or not ok) else OK for r, ok in zip(ranks["rank"], ranks["norm_ok"], strict=True)
+        ]
+        per_rank = go.Figure(
+            go.Bar(x=[f"rank {r}" for r in ranks["rank"]], y=reported, marker_color=colors, name="reported global norm")
+        )
+        per_rank.add_hline(
+            y=self.norms.global_norm,
+            line={"dash": "dash", "color": "black"},
+            annotation_text=f"true global norm {self.norms.global_norm:.6g}",
+        )
+        per_rank.update_layout(
+            title="global norm each rank used against the true one", yaxis_title="L2 norm", height=300, margin={"t": 40}
+        )
         return [per_unit, per_rank]
 
     def summary_html(self) -> str:
@@ -67,15 +92,19 @@ class GradNormView(View):
         if self.norms.ok:
             status = f'<p class="ok">{html.escape(head)}all ranks agree.</p>'
         else:
-            status = (f'<p class="flag">{html.escape(head)}{len(self.norms.mismatches)} disagreement(s) on rank(s) '
-                      f'{", ".join(map(str, self.flagged))}:</p>' + table_html(self.norms.mismatches))
+            status = (
+                f'<p class="flag">{html.escape(head)}{len(self.norms.mismatches)} disagreement(s) on rank(s) '
+                f"{', '.join(map(str, self.flagged))}:</p>" + table_html(self.norms.mismatches)
+            )
         return status + table_html(self.norms.ranks, digits=6) + table_html(self.norms.units, digits=6)
 
     def summary_text(self) -> str:
         if self.norms is None:
             return f"gradient norms: {NONE_YET}"
-        lines = [f"gradient norms: true global norm {self.norms.global_norm:.6g}; "
-                 + ("all ranks agree" if self.norms.ok else f"MISMATCH on rank(s) {self.flagged}")]
+        lines = [
+            f"gradient norms: true global norm {self.norms.global_norm:.6g}; "
+            + ("all ranks agree" if self.norms.ok else f"MISMATCH on rank(s) {self.flagged}")
+        ]
         if not self.norms.ok:
             lines.append(table_text(self.norms.mismatches))
         lines.append(table_text(self.norms.ranks, digits=6))

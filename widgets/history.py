@@ -6,7 +6,16 @@ import pandas as pd
 
 from rlkit.widgets.view import View, table_html, table_text
 
-SHOWN = ["step", "reward/mean", "reward/std", "kl/mean", "policy/loss", "grad/norm", "response/length/mean", "time/step"]
+SHOWN = [
+    "step",
+    "reward/mean",
+    "reward/std",
+    "kl/mean",
+    "policy/loss",
+    "grad/norm",
+    "response/length/mean",
+    "time/step",
+]
 
 
 def reward_figure(history: pd.DataFrame):
@@ -33,8 +42,9 @@ def phases_figure(history: pd.DataFrame):
     fig = make_subplots(rows=1, cols=3, subplot_titles=("KL to reference", "response length", "seconds per phase"))
     x = history["step"]
     fig.add_trace(go.Scatter(x=x, y=history["kl/mean"], name="kl/mean", mode="lines+markers"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=x, y=history["response/length/mean"], name="length/mean", mode="lines+markers"),
-                  row=1, col=2)
+    fig.add_trace(
+        go.Scatter(x=x, y=history["response/length/mean"], name="length/mean", mode="lines+markers"), row=1, col=2
+    )
     for column in [c for c in history.columns if c.startswith("time/") and c.count("/") == 1 and c != "time/step"]:
         fig.add_trace(go.Bar(x=x, y=history[column], name=column.removeprefix("time/")), row=1, col=3)
     fig.update_layout(title="training", barmode="stack", height=320, margin={"t": 60})

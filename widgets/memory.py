@@ -7,8 +7,13 @@ import pandas as pd
 from rlkit.widgets.view import View, table_html, table_text
 
 CATEGORIES = ["parameters", "gradients", "optimizer", "engine", "other"]
-COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer": "#54a24b", "engine": "#b279a2",
-          "other": "#bab0ac"}
+COLORS = {
+    "parameters": "#4c78a8",
+    "gradients": "#f58518",
+    "optimizer": "#54a24b",
+    "engine": "#b279a2",
+    "other": "#bab0ac",
+}
 
 
 class MemoryView(View):
@@ -58,8 +63,13 @@ class MemoryView(View):
         x = [[f"rank {r}" for r in latest["rank"]], list(latest["phase"])]
         fig = go.Figure([go.Bar(x=x, y=latest[f"{c}_mb"], name=c, marker_color=COLORS[c]) for c in CATEGORIES])
         where = "" if latest["allocated_mb"].notna().any() else "; on CPU the total is process RSS"
-        fig.update_layout(barmode="stack", title=f"MiB by phase and what holds it (step {latest['step'].max()}{where})",
-                          yaxis_title="MiB", height=360, margin={"t": 40})
+        fig.update_layout(
+            barmode="stack",
+            title=f"MiB by phase and what holds it (step {latest['step'].max()}{where})",
+            yaxis_title="MiB",
+            height=360,
+            margin={"t": 40},
+        )
         return fig
 
     def _across_steps(self):
@@ -68,26 +78,50 @@ class MemoryView(View):
         table = self.table()
         fig = go.Figure()
         for rank, rows in table.groupby("rank"):
-            x = [f"{s}:{p}" for s, p in zip(rows["step"], rows["phase"])]
+            x = [f"{s}:{p}" for s, p in zip(rows["step"], rows["phase"], strict=True)]
             fig.add_trace(go.Scatter(x=x, y=rows["total_mb"], name=f"rank {rank}", mode="lines+markers"))
             if rows["peak_mb"].notna().any():
                 fig.add_trace(go.Scatter(x=x, y=rows["peak_mb"], name=f"rank {rank} peak", line={"dash": "dot"}))
-        fig.update_layout(title="total MiB per rank at each phase boundary (step:phase)", yaxis_title="MiB",
-                          height=320, margin={"t": 40})
+        fig.update_layout(
+            title="total MiB per rank at each phase boundary (step:phase)",
+            yaxis_title="MiB",
+            height=320,
+            margin={"t": 40},
+        )
         return fig
 
     def _scaling(self):
         import plotly.graph_objects as go
 
         s = self.scaling
-        x = ["1 (whole model)" if src == "whole model" else f"{n} ranks" for n, src in zip(s["world_size"], s["source"])]
-        fig = go.Figure([go.Bar(x=x, y=s[f"{c}_mb"], name=c, marker_color=COLORS[c])
-                         for c in ("parameters", "gradients", "optimizer")])
-        fig.add_trace(go.Scatter(x=x, y=s["ideal_mb"], name="ideal 1/N", mode="lines+markers+text",
-                                 line={"color": "black", "dash": "dash"},
-                                 text=[f"vs ideal {v:.2f}" for v in s["vs_ideal"]], textposition="top center"))
-        fig.update_layout(barmode="stack", title="training state per rank (largest rank) against the ideal 1/N",
-                          yaxis_title="MiB", height=320, margin={"t": 40})
+        x = [
+            "1 (whole model)" if src == "whole model" else f"{n} ranks"
+            for n, src in zip(s["world_size"], s["source"], strict=True)
+        ]
+        fig = go.Figure(
+            [
+                go.Bar(x=x, y=s[f"{c}_mb"], name=c, marker_color=COLORS[c])
+                for c in ("parameters", "gradients", "optimizer")
+            ]
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=s["ideal_mb"],
+                name="ideal 1/N",
+                mode="lines+markers+text",
+                line={"color": "black", "dash": "dash"},
+                text=[f"vs ideal {v:.2f}" for v in s["vs_ideal"]],
+                textposition="top center",
+            )
+        )
+        fig.update_layout(
+            barmode="stack",
+            title="training state per rank (largest rank) against the ideal 1/N",
+            yaxis_title="MiB",
+            height=320,
+            margin={"t": 40},
+        )
         return fig
 
     def _summary(self) -> pd.DataFrame:
@@ -97,8 +131,10 @@ class MemoryView(View):
         if self.marks.empty:
             return '<p class="note">no memory marks yet (they are taken during a step)</p>'
         peak = self.table().groupby("rank")["total_mb"].max()
-        parts = [f"<p>Highest total per rank: {', '.join(f'rank {r}: {v:.4g} MiB' for r, v in peak.items())}</p>",
-                 table_html(self._summary())]
+        parts = [
+            f"<p>Highest total per rank: {', '.join(f'rank {r}: {v:.4g} MiB' for r, v in peak.items())}</p>",
+            table_html(self._summary()),
+        ]
         if self.scaling is not None and not self.scaling.empty:
             parts.append("<p>Training state per rank against the ideal 1/N</p>" + table_html(self.scaling))
         return "".join(parts)

@@ -44,8 +44,14 @@ class RolloutView(View):
 
     title = "rollouts"
 
-    def __init__(self, batch: Batch | None, decode: Callable[[int], str] | None = None, *,
-                 colouring: str | None = None, page_size: int = 8):
+    def __init__(
+        self,
+        batch: Batch | None,
+        decode: Callable[[int], str] | None = None,
+        *,
+        colouring: str | None = None,
+        page_size: int = 8,
+    ):
         if colouring is not None and colouring not in COLOURINGS:
             raise ValueError(f"colouring={colouring!r}: must be one of {COLOURINGS}")
         self.batch = batch
@@ -99,13 +105,15 @@ class RolloutView(View):
     def tokens_html(self, i: int, values: torch.Tensor, colouring: str, scale: float) -> str:
         """Sample ``i``'s completion as coloured spans; each span's title gives the token and its value."""
         b = self.batch
-        ids = b.input_ids[i, b.prompt_length:]
+        ids = b.input_ids[i, b.prompt_length :]
         spans = []
         for t in range(int(b.response_mask[i].sum())):
             text, value = self.decode(int(ids[t])), float(values[i, t])
-            spans.append(f'<span title="{html.escape(repr(text))} {colouring} {value:.4g}" '
-                         f'style="background:{token_rgba(value, colouring, scale)};white-space:pre">'
-                         f"{html.escape(text) or '&#9251;'}</span>")
+            spans.append(
+                f'<span title="{html.escape(repr(text))} {colouring} {value:.4g}" '
+                f'style="background:{token_rgba(value, colouring, scale)};white-space:pre">'
+                f"{html.escape(text) or '&#9251;'}</span>"
+            )
         return "".join(spans)
 
     def rows_html(self, indices: range) -> str:
@@ -114,16 +122,32 @@ class RolloutView(View):
         scale = float(values.abs().max()) if colouring == "advantage" else 0.0
         gaps = b.logprob_gap()
         terms = list(b.reward_terms)
-        head = ["#", "rank", "group", "prompt", f"completion (coloured by {colouring})", *terms, "reward", "advantage",
-                "finish", "max gap"]
+        head = [
+            "#",
+            "rank",
+            "group",
+            "prompt",
+            f"completion (coloured by {colouring})",
+            *terms,
+            "reward",
+            "advantage",
+            "finish",
+            "max gap",
+        ]
         rows = []
         for i in indices:
-            cells = [str(i), "" if b.rank is None else str(int(b.rank[i])), str(int(b.group[i])),
-                     html.escape(b.prompts[i]), self.tokens_html(i, values, colouring, scale),
-                     *(f"{float(b.reward_terms[t][i]):.4g}" for t in terms),
-                     "" if b.rewards is None else f"{float(b.rewards[i]):.4g}",
-                     "" if b.advantages is None else f"{float(b.advantages[i].float().mean()):.4g}",
-                     b.finish_reason[i], "" if gaps is None else f"{float(gaps[i]):.3g}"]
+            cells = [
+                str(i),
+                "" if b.rank is None else str(int(b.rank[i])),
+                str(int(b.group[i])),
+                html.escape(b.prompts[i]),
+                self.tokens_html(i, values, colouring, scale),
+                *(f"{float(b.reward_terms[t][i]):.4g}" for t in terms),
+                "" if b.rewards is None else f"{float(b.rewards[i]):.4g}",
+                "" if b.advantages is None else f"{float(b.advantages[i].float().mean()):.4g}",
+                b.finish_reason[i],
+                "" if gaps is None else f"{float(gaps[i]):.3g}",
+            ]
             rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
 
@@ -150,8 +174,11 @@ class RolloutView(View):
     def summary_html(self) -> str:
         if self.batch is None:
             return '<p class="note">no rollout yet</p>'
-        return (f"<p>{html.escape(self._headline())}. Page {self.page + 1} of {self.pages}.</p>"
-                + self._legend() + self.rows_html(self._page_indices()))
+        return (
+            f"<p>{html.escape(self._headline())}. Page {self.page + 1} of {self.pages}.</p>"
+            + self._legend()
+            + self.rows_html(self._page_indices())
+        )
 
     def export_html(self) -> str:
         if self.batch is None:
@@ -159,7 +186,8 @@ class RolloutView(View):
         return f"<p>{html.escape(self._headline())}.</p>" + self._legend() + self.rows_html(range(len(self.batch)))
 
     def _legend(self) -> str:
-        return f'<p class="note">Tokens: {html.escape(LEGENDS[self.current_colouring()])}; hover a token for its value.</p>'
+        legend = html.escape(LEGENDS[self.current_colouring()])
+        return f'<p class="note">Tokens: {legend}; hover a token for its value.</p>'
 
     def summary_text(self) -> str:
         if self.batch is None:
@@ -174,10 +202,20 @@ class RolloutView(View):
         import plotly.graph_objects as go
 
         b = self.batch
-        fig = go.Figure(go.Box(x=b.group.tolist(), y=b.rewards.tolist(), boxpoints="all", jitter=0.4, pointpos=0,
-                               name="reward", text=[c[:40] for c in b.completions]))
-        fig.update_layout(title="rewards per prompt group", xaxis_title="group", yaxis_title="reward", height=300,
-                          margin={"t": 40})
+        fig = go.Figure(
+            go.Box(
+                x=b.group.tolist(),
+                y=b.rewards.tolist(),
+                boxpoints="all",
+                jitter=0.4,
+                pointpos=0,
+                name="reward",
+                text=[c[:40] for c in b.completions],
+            )
+        )
+        fig.update_layout(
+            title="rewards per prompt group", xaxis_title="group", yaxis_title="reward", height=300, margin={"t": 40}
+        )
         return [fig]
 
     # -- widget controls ----------------------------------------------------------------------------
@@ -186,9 +224,13 @@ class RolloutView(View):
         if self._controls is None:
             import ipywidgets as w
 
-            colour = w.Dropdown(options=COLOURINGS, value=self.current_colouring() or COLOURINGS[0],
-                                description="colour by")
-            prev, nxt = w.Button(description="◀", layout={"width": "40px"}), w.Button(description="▶", layout={"width": "40px"})
+            colour = w.Dropdown(
+                options=COLOURINGS, value=self.current_colouring() or COLOURINGS[0], description="colour by"
+            )
+            prev, nxt = (
+                w.Button(description="◀", layout={"width": "40px"}),
+                w.Button(description="▶", layout={"width": "40px"}),
+            )
             colour.observe(lambda change: self._set(colouring=change["new"]), names="value")
             prev.on_click(lambda _: self._set(page=self.page - 1))
             nxt.on_click(lambda _: self._set(page=self.page + 1))

@@ -13,8 +13,17 @@ from rlkit.widgets.view import View, table_html, table_text
 
 UNWRAPPED = unit_label(None)
 HOVER_PARAMS = 12  # parameters listed in one cell's hover text
-UNIT_COLUMNS = ["name", "api", "strategy", "shard_size", "replicate_size", "param_dtype", "reshard_after_forward",
-                "params", "numel"]
+UNIT_COLUMNS = [
+    "name",
+    "api",
+    "strategy",
+    "shard_size",
+    "replicate_size",
+    "param_dtype",
+    "reshard_after_forward",
+    "params",
+    "numel",
+]
 
 
 class ShardingView(View):
@@ -66,8 +75,10 @@ class ShardingView(View):
                 lines = [f"<b>{html.escape(unit)}</b> on rank {r}: {grid.loc[unit, r]:.4g} MiB"]
                 rows = by_cell.get((unit, r), params.iloc[:0])
                 for p in rows.head(HOVER_PARAMS).itertuples():
-                    lines.append(f"{html.escape(p.name)}: {tuple(p.global_shape)} -> {tuple(p.local_shape)} "
-                                 f"{p.dtype}, {p.local_bytes:,} B")
+                    lines.append(
+                        f"{html.escape(p.name)}: {tuple(p.global_shape)} -> {tuple(p.local_shape)} "
+                        f"{p.dtype}, {p.local_bytes:,} B"
+                    )
                 if len(rows) > HOVER_PARAMS:
                     lines.append(f"... {len(rows) - HOVER_PARAMS} more")
                 row.append("<br>".join(lines))
@@ -78,20 +89,36 @@ class ShardingView(View):
         import plotly.graph_objects as go
 
         grid = self.grid()
-        fig = go.Figure(go.Heatmap(
-            z=grid.to_numpy(), x=[f"rank {r}" for r in grid.columns], y=list(grid.index),
-            text=self.hover(), hoverinfo="text", texttemplate="%{z:.3g}", colorscale="Blues",
-            colorbar={"title": {"text": "MiB"}},
-        ))
+        fig = go.Figure(
+            go.Heatmap(
+                z=grid.to_numpy(),
+                x=[f"rank {r}" for r in grid.columns],
+                y=list(grid.index),
+                text=self.hover(),
+                hoverinfo="text",
+                texttemplate="%{z:.3g}",
+                colorscale="Blues",
+                colorbar={"title": {"text": "MiB"}},
+            )
+        )
         if UNWRAPPED in grid.index:
             row = list(grid.index).index(UNWRAPPED)
-            fig.add_shape(type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5,
-                          line={"color": "red", "width": 3})
-            fig.add_annotation(xref="paper", x=1, y=row, xanchor="left", showarrow=False, font={"color": "red"},
-                               text=f"{len(self.sharding.unwrapped)} unwrapped: whole on every rank")
+            fig.add_shape(
+                type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5, line={"color": "red", "width": 3}
+            )
+            fig.add_annotation(
+                xref="paper",
+                x=1,
+                y=row,
+                xanchor="left",
+                showarrow=False,
+                font={"color": "red"},
+                text=f"{len(self.sharding.unwrapped)} unwrapped: whole on every rank",
+            )
         fig.update_yaxes(autorange="reversed")
-        fig.update_layout(title="MiB per FSDP unit and rank", height=max(260, 60 + 28 * len(grid)),
-                          margin={"t": 40, "r": 220})
+        fig.update_layout(
+            title="MiB per FSDP unit and rank", height=max(260, 60 + 28 * len(grid)), margin={"t": 40, "r": 220}
+        )
         return [fig]
 
     def _unwrapped_note(self) -> str:
@@ -105,14 +132,18 @@ class ShardingView(View):
             parts.append(f'<p class="flag">{html.escape(self._unwrapped_note())}</p>')
         parts.append(table_html(units[[c for c in units.columns if c in UNIT_COLUMNS or c.endswith("_mb")]]))
         parts.append("<p>Per rank and role</p>" + table_html(self.sharding.totals))
-        parts.append("<p>Training state per rank against the ideal 1/N (vs_ideal 1.0 is perfect)</p>"
-                     + table_html(self.sharding.scaling))
+        parts.append(
+            "<p>Training state per rank against the ideal 1/N (vs_ideal 1.0 is perfect)</p>"
+            + table_html(self.sharding.scaling)
+        )
         return "".join(parts)
 
     def summary_text(self) -> str:
         grid = self.grid()
-        lines = [f"sharding: {len(self.sharding.units)} FSDP unit(s) over {len(self.ranks)} rank(s); MiB per unit and rank:",
-                 grid.rename(columns=lambda r: f"rank{r}").to_string(float_format=lambda v: f"{v:.4g}")]
+        lines = [
+            f"sharding: {len(self.sharding.units)} FSDP unit(s) over {len(self.ranks)} rank(s); MiB per unit and rank:",
+            grid.rename(columns=lambda r: f"rank{r}").to_string(float_format=lambda v: f"{v:.4g}"),
+        ]
         if self.sharding.unwrapped:
             lines.append(self._unwrapped_note())
         lines.append(table_text(self.sharding.scaling[["world_size", "source", "per_rank_mb", "ideal_mb", "vs_ideal"]]))

@@ -63,7 +63,8 @@ class View:
 
     def static_html(self) -> str:
         """The ``text/html`` fallback: title and summary, no script, nothing fetched."""
-        return f'<div class="rlkit-view"><style>{STYLE}</style><h4>{html.escape(self.title)}</h4>{self.summary_html()}</div>'
+        title = html.escape(self.title)
+        return f'<div class="rlkit-view"><style>{STYLE}</style><h4>{title}</h4>{self.summary_html()}</div>'
 
     def widget(self):
         """The live ipywidgets view (built once; :meth:`refresh` redraws it)."""
@@ -86,7 +87,7 @@ class View:
         if len(plots) != len(figures):
             plots = [w.Output() for _ in figures]
             self._box.children = [*self.controls(), *plots, self._summary_widget]
-        for out, fig in zip(plots, figures):
+        for out, fig in zip(plots, figures, strict=True):
             out.outputs = (figure_output(fig),)
         self._summary_widget.value = f'<div class="rlkit-view"><style>{STYLE}</style>{self.summary_html()}</div>'
 

@@ -18,7 +18,13 @@ from rlkit.algos.advantages import (
 )
 from rlkit.algos.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_weights
 from rlkit.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
-from rlkit.algos.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance, masked_mean
+from rlkit.algos.losses import (
+    clipped_policy_loss,
+    clipped_value_loss,
+    entropy_from_logits,
+    explained_variance,
+    masked_mean,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

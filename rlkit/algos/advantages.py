@@ -209,10 +209,11 @@ def compute_advantages(estimator: str | AdvantageFn, inputs: AdvantageInputs) ->
     if not (isinstance(out, tuple) and len(out) == 2 and all(_is_shaped(t, shape) for t in out)):
         got = tuple(_describe(t) for t in out) if isinstance(out, tuple) else _describe(out)
         raise ValueError(
-            f"advantage estimator {name!r} must return (advantages, returns), two [B, T] = {list(shape)} tensors; got {got}"
+            f"advantage estimator {name!r} must return (advantages, returns), "
+            f"two [B, T] = {list(shape)} tensors; got {got}"
         )
     mask = inputs.response_mask > 0
-    for label, t in zip(("advantages", "returns"), out):
+    for label, t in zip(("advantages", "returns"), out, strict=True):
         bad = (~torch.isfinite(t) & mask).any(dim=1).nonzero().flatten().tolist()
         if bad:
             raise ValueError(f"advantage estimator {name!r} returned non-finite {label} for sample(s) {bad[:10]}")

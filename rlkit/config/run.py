@@ -124,7 +124,8 @@ class RLConfig:
                 p,
                 self.ppo_epochs == 1 and self.mini_batches == 1,
                 f"recompute_logprobs=False with ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}: "
-                "later optimizer steps need the log-probs from before the first; set both to 1 or recompute_logprobs=True",
+                "later optimizer steps need the log-probs from before the first; "
+                "set both to 1 or recompute_logprobs=True",
             )
             need(
                 p,
@@ -158,7 +159,8 @@ class RLConfig:
         need(
             p,
             self.advantage in ADVANTAGE_ESTIMATORS,
-            f'advantage="{self.advantage}": use one of {list(ADVANTAGE_ESTIMATORS)} (or pass Trainer(advantage_fn=...))',
+            f'advantage="{self.advantage}": use one of {list(ADVANTAGE_ESTIMATORS)} '
+            "(or pass Trainer(advantage_fn=...))",
         )
         if self.advantage in GROUP_ESTIMATORS:
             need(
@@ -201,7 +203,10 @@ class RLConfig:
         algorithm = data.pop("algorithm", cls.algorithm)
         if algorithm != cls.algorithm:
             raise ConfigError(
-                [f'algorithm="{algorithm}" given to {cls.__name__}: use rlkit.config.config_from_dict (or config_from_toml)']
+                [
+                    f'algorithm="{algorithm}" given to {cls.__name__}: '
+                    "use rlkit.config.config_from_dict (or config_from_toml)"
+                ]
             )
         return _from_dict(cls, data, "")
 

@@ -43,7 +43,11 @@ class OptimConfig:
         need(p, self.eps > 0, f"{prefix}.eps={self.eps}: must be > 0")
         need(p, self.max_grad_norm >= 0, f"{prefix}.max_grad_norm={self.max_grad_norm}: must be >= 0 (0 = off)")
         need(p, self.warmup_steps >= 0, f"{prefix}.warmup_steps={self.warmup_steps}: must be >= 0")
-        need(p, self.schedule in ("constant", "cosine"), f'{prefix}.schedule="{self.schedule}": use "constant" or "cosine"')
+        need(
+            p,
+            self.schedule in ("constant", "cosine"),
+            f'{prefix}.schedule="{self.schedule}": use "constant" or "cosine"',
+        )
         need(p, 0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         return p
 
@@ -86,7 +90,11 @@ class RolloutConfig:
         need(p, self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
         need(p, self.temperature > 0, f"{prefix}.temperature={self.temperature}: must be > 0")
         need(p, 0 < self.top_p <= 1, f"{prefix}.top_p={self.top_p}: must be in (0, 1]")
-        need(p, self.max_logprob_gap >= 0, f"{prefix}.max_logprob_gap={self.max_logprob_gap}: must be >= 0 (0 = never warn)")
+        need(
+            p,
+            self.max_logprob_gap >= 0,
+            f"{prefix}.max_logprob_gap={self.max_logprob_gap}: must be >= 0 (0 = never warn)",
+        )
         need(
             p,
             0 < self.gpu_memory_utilization <= 1,
@@ -135,11 +143,19 @@ class FSDPConfig:
     def problems(self, prefix: str = "fsdp") -> list[str]:
         p: list[str] = []
         dtypes = ("auto", "bf16", "fp32")
-        need(p, self.version in (1, 2), f"{prefix}.version={self.version}: use 2 (fully_shard) or 1 (FullyShardedDataParallel)")
+        need(
+            p,
+            self.version in (1, 2),
+            f"{prefix}.version={self.version}: use 2 (fully_shard) or 1 (FullyShardedDataParallel)",
+        )
         need(p, self.sharding in SHARDING, f'{prefix}.sharding="{self.sharding}": use one of {SHARDING}')
         need(p, self.hybrid_shard_size >= 0, f"{prefix}.hybrid_shard_size={self.hybrid_shard_size}: must be >= 0")
         need(p, self.param_dtype in dtypes, f'{prefix}.param_dtype="{self.param_dtype}": use one of {dtypes}')
-        need(p, self.reduce_dtype in ("bf16", "fp32"), f'{prefix}.reduce_dtype="{self.reduce_dtype}": use "fp32" or "bf16"')
+        need(
+            p,
+            self.reduce_dtype in ("bf16", "fp32"),
+            f'{prefix}.reduce_dtype="{self.reduce_dtype}": use "fp32" or "bf16"',
+        )
         prefetch = ("pre", "post", "none") if self.version == 1 else ("pre",)
         need(
             p,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+
 @dataclass(kw_only=True)
 class Batch:
     """B completions of one step (B = prompts x group size), in group order.

@@ -24,7 +24,9 @@ class WeightedReward:
     weight: float
 
 
-def reward_terms(spec: RewardFn | list[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]]) -> list[WeightedReward]:
+def reward_terms(
+    spec: RewardFn | list[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]],
+) -> list[WeightedReward]:
     """Normalise a reward spec: one callable, a list (weight 1 each), or {name: fn or (fn, weight)}."""
     if callable(spec):
         spec = [spec]
@@ -58,7 +60,9 @@ def compute_rewards(
     return total.float(), by_name
 
 
-def _call(term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]) -> torch.Tensor:
+def _call(
+    term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+) -> torch.Tensor:
     try:
         values = term.fn(prompts, completions, **fields)
     except RewardError:
@@ -69,9 +73,13 @@ def _call(term: WeightedReward, prompts: list[str], completions: list[str], fiel
     try:
         values = list(values)
     except TypeError:
-        raise RewardError(f"reward function {term.name!r} returned {type(values).__name__}, expected a list of floats") from None
+        raise RewardError(
+            f"reward function {term.name!r} returned {type(values).__name__}, expected a list of floats"
+        ) from None
     if len(values) != len(completions):
-        raise RewardError(f"reward function {term.name!r} returned {len(values)} values for {len(completions)} completions")
+        raise RewardError(
+            f"reward function {term.name!r} returned {len(values)} values for {len(completions)} completions"
+        )
     for i, v in enumerate(values):
         if not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise RewardError(
@@ -81,11 +89,13 @@ def _call(term: WeightedReward, prompts: list[str], completions: list[str], fiel
     return torch.tensor(values, dtype=torch.float32)
 
 
-def _failing_sample(term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]) -> str:
+def _failing_sample(
+    term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+) -> str:
     """Re-run ``term`` one sample at a time to name the first sample it raises on (only after it failed)."""
     for i in range(len(completions)):
         try:
             term.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure names the sample
             return f" on sample {i} (prompt {prompts[i]!r}, completion {completions[i]!r})"
     return " (each sample alone scores fine: the failure depends on the whole batch)"

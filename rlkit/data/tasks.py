@@ -51,5 +51,5 @@ def addition_reward(
         )
     return [
         float(completion.split(EOS_TEXT, 1)[0].strip() == expected.strip())
-        for completion, expected in zip(completions, answer)
+        for completion, expected in zip(completions, answer, strict=True)
     ]

@@ -22,7 +22,6 @@ from rlkit.diagnostics.inspection import replica_key
 from rlkit.diagnostics.layout import discover, unit_label
 
 
-
 @dataclass(kw_only=True)
 class GradEntry:
     """One parameter's gradient on one rank."""
@@ -58,7 +57,7 @@ def grad_report(model: nn.Module, *, loss: float | torch.Tensor | None = None,
     grads = [p.grad() for p in layout.params]
     sums = _sumsq([g for g in grads if g is not None])
     entries, checksums = [], {}
-    for p, g in zip(layout.params, grads):
+    for p, g in zip(layout.params, grads, strict=True):
         sumsq = 0.0 if g is None else sums.pop(0)
         entries.append(GradEntry(name=p.name, unit=p.unit, shards=p.shards, shard_index=p.shard_index, sumsq=sumsq))
         if p.shards < world:
@@ -83,7 +82,7 @@ def _sumsq(grads: list[torch.Tensor]) -> list[float]:
     out = [0.0] * len(grads)
     for indices in by_device.values():
         values = torch.stack([grads[i].detach().double().pow(2).sum() for i in indices]).tolist()
-        for i, v in zip(indices, values):
+        for i, v in zip(indices, values, strict=True):
             out[i] = v
     return out
 

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor, Shard
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -150,7 +149,9 @@ def _fsdp1_unit(module: FSDP, names: dict[int, str]) -> tuple[Unit, list[Param]]
         return unit, []
     flat = handle.flat_param
     params = []
-    for i, (info, shard, shape) in enumerate(zip(flat._param_infos, flat._shard_param_infos, flat._shapes)):
+    for i, (info, shard, shape) in enumerate(
+        zip(flat._param_infos, flat._shard_param_infos, flat._shapes, strict=True)
+    ):
         orig = flat._params[i] if module._use_orig_params else None
         current = info.module._parameters.get(info.param_name)
         replaced = current is not orig if orig is not None else current is not None
@@ -194,9 +195,20 @@ def _fsdp2_unit(module: FSDPModule, names: dict[int, str]) -> tuple[Unit, list[P
     name = names[id(module)]
     if not groups:
         mp = state._mp_policy
-        unit = Unit(name=name, api="FSDP2", strategy=None, shard_size=None, replicate_size=None,
-                    param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, reshard_after_forward=None,
-                    offload=False, use_orig_params=None, device=state._device, storage=[])
+        unit = Unit(
+            name=name,
+            api="FSDP2",
+            strategy=None,
+            shard_size=None,
+            replicate_size=None,
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            reshard_after_forward=None,
+            offload=False,
+            use_orig_params=None,
+            device=state._device,
+            storage=[],
+        )
         return unit, []
     group = groups[0]
     mesh = group.mesh_info

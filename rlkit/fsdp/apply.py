@@ -69,7 +69,9 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     compute = param_dtype(config, mesh.device_type)
     strategy = {
         "full": ShardingStrategy.FULL_SHARD if config.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
-        "hybrid": ShardingStrategy.HYBRID_SHARD if config.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2,
+        "hybrid": ShardingStrategy.HYBRID_SHARD
+        if config.reshard_after_forward
+        else ShardingStrategy._HYBRID_SHARD_ZERO2,
         "no_shard": ShardingStrategy.NO_SHARD,
     }[config.sharding]
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}

@@ -10,14 +10,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_model_dir(model: str) -> Path:
-    """"tiny" -> the bundled model's folder; anything else must be a local Hugging Face directory."""
+    """ "tiny" -> the bundled model's folder; anything else must be a local Hugging Face directory."""
     if model == "tiny":
         from rlkit.models.tiny import TINY_MODEL_DIR
 
         return TINY_MODEL_DIR
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model={model!r}: no config.json there; give a local Hugging Face model directory or 'tiny'")
+        raise FileNotFoundError(
+            f"model={model!r}: no config.json there; give a local Hugging Face model directory or 'tiny'"
+        )
     return path
 
 

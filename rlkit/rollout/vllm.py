@@ -100,7 +100,9 @@ class VLLMEngine:
             )
         self._processes = [p for p in _vllm_processes() if p not in others]
         if not self.can_sleep:
-            log.info("vLLM has no sleep mode on %s: the engine keeps its weights and KV cache while the actor trains", device)
+            log.info(
+                "vLLM has no sleep mode on %s: the engine keeps its weights and KV cache while the actor trains", device
+            )
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generation:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -108,7 +110,10 @@ class VLLMEngine:
 
         self._wake("weights", "kv_cache")
         self.llm.collective_rpc("rlkit_reseed", args=(params.seed,))
-        prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        prompts = [
+            TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
+            for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)
+        ]
         sampling = VLLMSamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -220,7 +225,9 @@ class WorkerExtension:
         model = self.model_runner.get_model()
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None)
-        tied = any(p is weight for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith("lm_head."))
+        tied = any(
+            p is weight for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith("lm_head.")
+        )
         if tied:
             head.quant_method.process_weights_after_loading(head)
 
@@ -275,7 +282,7 @@ def _flat_buckets(
     (buffer, [(name, shape, start element)])."""
     for bucket in _buckets(weights, dtype, max_bytes, device=None):
         starts = itertools.accumulate((t.numel() for t in bucket.values()), initial=0)
-        layout = [(name, tuple(t.shape), start) for (name, t), start in zip(bucket.items(), starts)]
+        layout = [(name, tuple(t.shape), start) for (name, t), start in zip(bucket.items(), starts, strict=True)]
         yield torch.cat([t.reshape(-1) for t in bucket.values()]), layout
 
 
@@ -328,4 +335,3 @@ def _set_environment(values: dict[str, str | None]) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-

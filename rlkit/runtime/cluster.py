@@ -321,7 +321,7 @@ def _unpicklable(fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, A
         cls = type(value)
         return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
-    for rank, (args, kwargs) in enumerate(per_rank):
+    for rank, (args, kwargs) in enumerate(per_rank):  # noqa: B007 - rank names the failing rank below
         named = [(f"the function {getattr(fn, '__qualname__', repr(fn))}", fn)]
         named += [(f"argument {i} ({kind(v)})", v) for i, v in enumerate(args)]
         named += [(f"keyword argument {k!r} ({kind(v)})", v) for k, v in kwargs.items()]

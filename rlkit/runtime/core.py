@@ -93,7 +93,7 @@ class WorkerCore:
             self._running = self._cancel = None
             return False, {"type": CANCELLED, "message": "cancelled by the controller",
                            "traceback": ""}
-        except (Exception, SystemExit) as exc:
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to the controller
             return False, error_info(exc)
 
     def cancel(self, call_id: int) -> None:

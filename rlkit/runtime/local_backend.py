@@ -61,7 +61,7 @@ class LocalBackend:
     def send(self, call_id: int, payloads: list[bytes]) -> None:
         self._call_id = call_id
         self._loaded.clear()
-        for worker, payload in zip(self._workers, payloads):
+        for worker, payload in zip(self._workers, payloads, strict=True):
             worker.busy = True
             try:
                 worker.conn.send(("call", call_id, payload))

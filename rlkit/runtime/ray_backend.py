@@ -10,9 +10,10 @@ Connecting: ``address=None`` starts a single-node Ray instance on this machine, 
 ``"auto"`` joins the Ray cluster this machine belongs to; ``"ray://HOST:PORT"`` is Ray client.
 Ray (2.60) cannot be confined to loopback: it replaces a loopback node address by the machine's
 and its servers listen on every interface; its token authentication (on by default) refuses
-peers without the cluster's token. Keep Ray's ports behind a firewall on shared networks. If Ray is already initialised in this process, it is used
-as it is. Shutting the cluster down kills the actors and removes the placement group; Ray itself
-keeps running (``ray.shutdown()`` stops an instance this process started).
+peers without the cluster's token. Keep Ray's ports behind a firewall on shared networks. If Ray
+is already initialised in this process, it is used as it is. Shutting the cluster down kills the
+actors and removes the placement group; Ray itself keeps running (``ray.shutdown()`` stops an
+instance this process started).
 """
 
 from __future__ import annotations
@@ -45,8 +46,17 @@ ALIVE_S = 5.0  # a worker whose last heartbeat is older than this shows alive=Fa
 class RayBackend:
     """``world_size`` Ray actors, one per rank."""
 
-    def __init__(self, world_size: int, *, cluster_id: str, device: str, address: str | None,
-                 timeout: float, log_dir: Path, env: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        cluster_id: str,
+        device: str,
+        address: str | None,
+        timeout: float,
+        log_dir: Path,
+        env: dict[str, str] | None,
+    ) -> None:
         self.world_size = world_size
         self.log_dir = log_dir
         self.output = OutputForwarder()
@@ -69,8 +79,9 @@ class RayBackend:
             self.stop()
             raise
 
-    def _start(self, cluster_id: str, device: str, address: str | None, timeout: float,
-               env: dict[str, str] | None) -> None:
+    def _start(
+        self, cluster_id: str, device: str, address: str | None, timeout: float, env: dict[str, str] | None
+    ) -> None:
         deadline = time.monotonic() + timeout
         _init_ray(address, self.world_size)
         self.address = ray.get_runtime_context().gcs_address
@@ -79,23 +90,31 @@ class RayBackend:
         self._pg = placement_group([bundle] * self.world_size, strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            raise TimeoutError(f"Ray could not place {self.world_size} bundles of {bundle} within "
-                               f"the launch timeout; available: {ray.available_resources()}")
+            raise TimeoutError(
+                f"Ray could not place {self.world_size} bundles of {bundle} within "
+                f"the launch timeout; available: {ray.available_resources()}"
+            )
         self._mailbox = ray.remote(Mailbox).options(num_cpus=0).remote(self.world_size)
         options = {"runtime_env": {"env_vars": dict(env)}} if env else {}
         worker_cls = ray.remote(RayWorker)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
-            self._actors.append(worker_cls.options(
-                num_cpus=1, num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-                **options).remote(rank, cluster_id, self._mailbox))
+            self._actors.append(
+                worker_cls.options(
+                    num_cpus=1, num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy, **options
+                ).remote(rank, cluster_id, self._mailbox)
+            )
         self._infos = self._get([a.info.remote() for a in self._actors], deadline, "start")
         port = self._get([self._actors[0].free_port.remote()], deadline, "start")[0]
         configs = self._configs(port)
-        replies = self._get([a.join.remote(c) for a, c in zip(self._actors, configs)], deadline,
-                            "join the process group")
-        failures = [RankFailure(r, self._infos[r]["host"], "-", e["type"], e["message"], e["traceback"])
-                    for r, (ok, e) in enumerate(replies) if not ok]
+        replies = self._get(
+            [a.join.remote(c) for a, c in zip(self._actors, configs, strict=True)], deadline, "join the process group"
+        )
+        failures = [
+            RankFailure(r, self._infos[r]["host"], "-", e["type"], e["message"], e["traceback"])
+            for r, (ok, e) in enumerate(replies)
+            if not ok
+        ]
         if failures:
             raise RemoteError(failures, note="(while starting the workers)")
         self._devices = [device for _, device in replies]
@@ -105,13 +124,16 @@ class RayBackend:
         nodes = [info["node"] for info in self._infos]
         configs = []
         for rank, node in enumerate(nodes):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                   "LOCAL_RANK": str(nodes[:rank].count(node)),
-                   "LOCAL_WORLD_SIZE": str(nodes.count(node)),
-                   "MASTER_ADDR": self._infos[0]["ip"], "MASTER_PORT": str(master_port)}
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(nodes[:rank].count(node)),
+                "LOCAL_WORLD_SIZE": str(nodes.count(node)),
+                "MASTER_ADDR": self._infos[0]["ip"],
+                "MASTER_PORT": str(master_port),
+            }
             # One GPU per actor: Ray makes it the only visible one, cuda:0.
-            configs.append({"device": self.device, "sys_path": list(sys.path), "env": env,
-                            "cuda_index": 0})
+            configs.append({"device": self.device, "sys_path": list(sys.path), "env": env, "cuda_index": 0})
         return configs
 
     def _get(self, refs: list[Any], deadline: float, step: str) -> list[Any]:
@@ -122,8 +144,9 @@ class RayBackend:
 
     # -- one call -------------------------------------------------------------------------------
 
-    def encode(self, fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, Any]]]
-               ) -> list[tuple[bytes, list[Any]]]:
+    def encode(
+        self, fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, Any]]]
+    ) -> list[tuple[bytes, list[Any]]]:
         """Pickle every rank's call; each distinct tensor goes into the object store once."""
         oob = transport.OutOfBand()
         stored: dict[int, Any] = {}
@@ -139,8 +162,10 @@ class RayBackend:
 
     def send(self, call_id: int, payloads: list[tuple[bytes, list[Any]]]) -> None:
         self._call_id = call_id
-        self._pending = {rank: actor.call.remote(call_id, data, refs)
-                         for rank, (actor, (data, refs)) in enumerate(zip(self._actors, payloads))}
+        self._pending = {
+            rank: actor.call.remote(call_id, data, refs)
+            for rank, (actor, (data, refs)) in enumerate(zip(self._actors, payloads, strict=True))
+        }
 
     def poll(self, timeout: float) -> list[Outcome]:
         """Wait up to ``timeout`` s; the calls that finished, as ``(rank, call_id, ok, value)``."""
@@ -169,9 +194,19 @@ class RayBackend:
             self.output.close(rank)
             return None
         except RayError as exc:  # Ray could not run or return the call (e.g. an object was lost)
-            return rank, self._call_id, False, RankFailure(
-                rank, self._infos[rank]["host"], self._devices[rank], type(exc).__name__, str(exc),
-                traceback.format_exc())
+            return (
+                rank,
+                self._call_id,
+                False,
+                RankFailure(
+                    rank,
+                    self._infos[rank]["host"],
+                    self._devices[rank],
+                    type(exc).__name__,
+                    str(exc),
+                    traceback.format_exc(),
+                ),
+            )
         self.output.feed(rank, lines)
         return rank, self._call_id, ok, self._decode(rank, ok, reply)
 
@@ -182,9 +217,14 @@ class RayBackend:
         try:
             return transport.loads(*reply)
         except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
-            return RankFailure(rank, host, device, type(exc).__name__,
-                               f"its result cannot be loaded in the controller: {exc}",
-                               traceback.format_exc())
+            return RankFailure(
+                rank,
+                host,
+                device,
+                type(exc).__name__,
+                f"its result cannot be loaded in the controller: {exc}",
+                traceback.format_exc(),
+            )
 
     def _collect(self) -> None:
         """Heartbeats, output lines and stacks from the mailbox."""
@@ -217,11 +257,15 @@ class RayBackend:
             return None
         rank = min(self._dead)
         log = self._infos[rank]["log"]
-        return WorkerDied(rank, self._infos[rank]["pid"], None, during=during,
-                          cause=f"Ray reports that its actor died ({self._dead[rank]})",
-                          log_path=f"{self.log_dir / f'rank{rank}.log'} (all of it: {log} on "
-                                   f"{self._infos[rank]['host']})",
-                          log_tail=tail(self.log_dir / f"rank{rank}.log"))
+        return WorkerDied(
+            rank,
+            self._infos[rank]["pid"],
+            None,
+            during=during,
+            cause=f"Ray reports that its actor died ({self._dead[rank]})",
+            log_path=f"{self.log_dir / f'rank{rank}.log'} (all of it: {log} on {self._infos[rank]['host']})",
+            log_tail=tail(self.log_dir / f"rank{rank}.log"),
+        )
 
     # -- state and lifetime ---------------------------------------------------------------------
 
@@ -231,9 +275,18 @@ class RayBackend:
         for rank, info in enumerate(self._infos):
             beat, rss = self._beats.get(rank, (math.nan, math.nan))
             alive = rank not in self._dead and time.time() - beat < ALIVE_S
-            rows.append({"rank": rank, "pid": info["pid"], "host": info["host"],
-                         "device": self._devices[rank], "alive": alive,
-                         "busy": rank in self._pending, "heartbeat": beat, "rss_mb": rss})
+            rows.append(
+                {
+                    "rank": rank,
+                    "pid": info["pid"],
+                    "host": info["host"],
+                    "device": self._devices[rank],
+                    "alive": alive,
+                    "busy": rank in self._pending,
+                    "heartbeat": beat,
+                    "rss_mb": rss,
+                }
+            )
         return rows
 
     def stop(self) -> None:
@@ -258,7 +311,8 @@ def _init_ray(address: str | None, world_size: int) -> None:
     if ray.is_initialized():
         return
     if address is None:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size),
-                 include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False, log_to_driver=False
+        )
     else:
         ray.init(address=address, log_to_driver=False)

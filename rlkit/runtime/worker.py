@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from rlkit.runtime import transport
 from rlkit.runtime.channel import WorkerChannel, read_authkey
+from rlkit.runtime.context import WorkerContext
 from rlkit.runtime.core import WorkerCore, error_info, rss_mb
 from rlkit.runtime.logs import DONE_MARKER
 

@@ -111,7 +111,7 @@ class Critic:
                 totals += sums
                 norms.append(norm)
         dist.all_reduce(totals)
-        s = dict(zip(CRITIC_STATS, totals.tolist()))
+        s = dict(zip(CRITIC_STATS, totals.tolist(), strict=True))
         return {
             "critic/loss": s["loss"] / (s["steps"] / dist.get_world_size()),
             "critic/value_clipfrac": s["clipped"] / max(s["tokens"], 1.0),

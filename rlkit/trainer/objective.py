@@ -83,7 +83,7 @@ class PolicyObjective:
 
 def policy_metrics(totals: torch.Tensor, world_size: int) -> dict[str, float]:
     """Metrics from STAT_NAMES sums all-reduced over ranks and accumulated over optimizer steps."""
-    s = dict(zip(STAT_NAMES, totals.tolist()))
+    s = dict(zip(STAT_NAMES, totals.tolist(), strict=True))
     steps, tokens = s["steps"] / world_size, max(s["tokens"], 1.0)
     return {
         "policy/loss": s["loss"] / steps,

@@ -78,7 +78,7 @@ class ModelReward:
         self.cluster = cluster
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: object) -> list[float]:
-        texts = [p + c for p, c in zip(prompts, completions)]
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         ranks = self.cluster.world_size
         size = -(-len(texts) // ranks)
         # every rank scores the same number of texts (FSDP needs equal forward counts): pad with the last one
