@@ -22,26 +22,34 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def loss_weights(
-    response_mask: torch.Tensor, mode: str, *, num_tokens: float, num_seqs: float, horizon: int
+    response_mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: torch.Tensor | float,
+    num_seqs: torch.Tensor | float,
+    horizon: int,
 ) -> torch.Tensor:
     """Per-token weights of ``mode``, given the normalisers of the whole batch.
 
     Args:
         response_mask: [b, T] the rows at hand (a slice of the whole batch is fine).
         mode: one of LOSS_AGG_MODES.
-        num_tokens: masked-in tokens in the whole batch (used by "token-mean").
+        num_tokens: masked-in tokens in the whole batch (used by "token-mean"); a 0-dim tensor on the
+            mask's device keeps the count there (no host sync).
         num_seqs: sequences with at least one token in the whole batch (the "seq-mean" modes).
         horizon: the constant per-sequence normaliser of "seq-mean-token-sum".
     Returns:
         [b, T] float32 weights, 0 where masked.
     """
     mask = (response_mask > 0).float()
+    tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=mask.device).clamp(min=1)
+    seqs = torch.as_tensor(num_seqs, dtype=torch.float32, device=mask.device).clamp(min=1)
     if mode == "token-mean":
-        return mask / max(num_tokens, 1)
+        return mask / tokens
     if mode == "seq-mean-token-mean":
-        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / max(num_seqs, 1)
+        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / seqs
     if mode == "seq-mean-token-sum":
-        return mask / (horizon * max(num_seqs, 1))
+        return mask / (horizon * seqs)
     raise ValueError(f'loss aggregation mode "{mode}": valid modes are {LOSS_AGG_MODES}')
 
 
