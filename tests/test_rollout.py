@@ -82,7 +82,7 @@ def gap_batch(gap: float) -> Batch:
     return Batch(
         prompts=["a", "b"], completions=["x", "y"], input_ids=torch.zeros(2, 5, dtype=torch.long),
         attention_mask=torch.ones(2, 5, dtype=torch.long), response_mask=mask, rollout_logprobs=rollout,
-        group=torch.tensor([0, 0]), finish_reason=["stop", "stop"], logprobs=trainer,
+        group=torch.tensor([0, 0]), finish_reason=["stop", "stop"], old_logprobs=trainer,
     )
 
 

@@ -55,10 +55,10 @@ def greedy_both(prompts: list[str]) -> dict[str, torch.Tensor]:
     from rlkit.fsdp import iter_full_params
     from rlkit.models import load_causal_lm, load_tokenizer
     from rlkit.rollout import HFEngine, SamplingParams
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    worker = context().state[STATE_KEY]
+    worker = local_instance(PolicyWorker)
     tok = load_tokenizer(worker.model_dir)
     hf = HFEngine(
         load_causal_lm(worker.model_dir, dtype=torch.float32, device=worker.device),
@@ -81,18 +81,18 @@ def greedy_both(prompts: list[str]) -> dict[str, torch.Tensor]:
 
 def sync() -> int:
     """On a worker: push the actor's weights into its engine."""
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    return context().state[STATE_KEY].sync_engine()
+    return local_instance(PolicyWorker).sync_engine()
 
 
 def skip_syncs(skip: bool) -> None:
     """On a worker: make weight syncs do nothing (skip=True) or restore them."""
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    worker = context().state[STATE_KEY]
+    worker = local_instance(PolicyWorker)
     if skip:
         worker.sync_engine = lambda: 0
     else:

@@ -25,11 +25,16 @@ from rlkit.algos.losses import (
     explained_variance,
     masked_mean,
 )
+from rlkit.algos.metrics import Mean, token_mean
+from rlkit.algos.objective import PolicyLossFn, PolicyObjective, policy_objective, value_objective
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "Mean",
+    "PolicyLossFn",
+    "PolicyObjective",
     "AdvantageFn",
     "AdvantageInputs",
     "aggregate_loss",
@@ -47,5 +52,8 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "outcome_token_rewards",
+    "policy_objective",
     "rloo_advantages",
+    "token_mean",
+    "value_objective",
 ]

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is 1. Shapes: [B, T] each; returns a scalar (0 for an empty mask)."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is 1 (0 for an empty mask). Shapes: [B, T] each; returns a scalar,
+    or with ``dim`` the means along it (``dim=1``: [B], one per row)."""
+    keep = mask > 0
+    kept = torch.where(keep, values, 0.0)
+    if dim is None:
+        return kept.sum() / keep.sum().clamp(min=1)
+    return kept.sum(dim=dim) / keep.sum(dim=dim).clamp(min=1)
 
 
 def clipped_policy_loss(

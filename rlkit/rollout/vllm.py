@@ -282,7 +282,8 @@ def _flat_buckets(
     (buffer, [(name, shape, start element)])."""
     for bucket in _buckets(weights, dtype, max_bytes, device=None):
         starts = itertools.accumulate((t.numel() for t in bucket.values()), initial=0)
-        layout = [(name, tuple(t.shape), start) for (name, t), start in zip(bucket.items(), starts, strict=True)]
+        # starts holds one more entry than the bucket (the end): zip stops at the bucket's last tensor
+        layout = [(name, tuple(t.shape), start) for (name, t), start in zip(bucket.items(), starts, strict=False)]
         yield torch.cat([t.reshape(-1) for t in bucket.values()]), layout
 
 
