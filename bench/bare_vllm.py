@@ -20,7 +20,7 @@ from pathlib import Path
 
 from results import write_result
 from shapes import SHAPES
-from workloads import VARLEN, ForcedLengths, build_model_dir, digit_prompts, varlen_lengths
+from workloads import ForcedLengths, build_model_dir, digit_prompts, workload_lengths
 
 
 def bare_generate(model_dir: Path, prompts: list[str], *, group: int, response_len: int, lengths: list[int] | None,
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--response-len", type=int, default=256, help="with --lengths varlen: the longest")
+    parser.add_argument("--response-len", type=int, help="256; with --lengths varlen the longest, 2048")
     parser.add_argument("--lengths", choices=("fixed", "varlen"), default="fixed")
     parser.add_argument("--logprobs", action="store_true", help="return the sampled tokens' log-probs")
     parser.add_argument("--repeats", type=int, default=3)
@@ -71,9 +71,7 @@ def main() -> None:
     parser.add_argument("--label", default="bare-vllm")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    lengths = varlen_lengths(args.prompts * args.group, **VARLEN) if args.lengths == "varlen" else None
-    if lengths:
-        args.response_len = VARLEN["high"]
+    lengths = workload_lengths(args, args.prompts * args.group)
     figures = bare_generate(build_model_dir(args.shape, args.root), digit_prompts(args.prompts, args.prompt_len),
                             group=args.group, response_len=args.response_len, lengths=lengths, logprobs=args.logprobs,
                             repeats=args.repeats)

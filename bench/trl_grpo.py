@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from results import write_result
-from workloads import VARLEN, ForcedLengths, build_model_dir, digit_prompts, random_rewards, varlen_lengths
+from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewards, workload_lengths
 
 
 def _sync() -> None:
@@ -88,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--response-len", type=int, default=256, help="with --lengths varlen: the longest (2048)")
+    parser.add_argument("--response-len", type=int, help="256; with --lengths varlen the longest, 2048")
     parser.add_argument("--lengths", choices=("fixed", "varlen"), default="fixed")
     parser.add_argument("--micro", type=int, default=64, help="completions per forward/backward")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; rlkit does not")
@@ -101,10 +101,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--label", default="trl")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.lengths == "varlen":
-        args.response_len = VARLEN["high"]
-        if not args.vllm:
-            parser.error("--lengths varlen forces lengths through vLLM: add --vllm")
+    if args.lengths == "varlen" and not args.vllm:
+        parser.error("--lengths varlen forces lengths through vLLM: add --vllm")
     return args
 
 
@@ -150,6 +148,7 @@ def trl_config(args, completions: int):
 
 def main() -> None:
     args = parse_args()
+    lengths = workload_lengths(args, args.prompts * args.group)
     if args.vllm:
         single_process_environment()
     from datasets import Dataset
@@ -172,8 +171,8 @@ def main() -> None:
     )
     if args.vllm:
         llm = trainer.vllm_generation.llm
-        if args.lengths == "varlen":
-            llm.generate = ForcedLengths(llm.generate, varlen_lengths(completions, **VARLEN))
+        if lengths:
+            llm.generate = ForcedLengths(llm.generate, lengths)
         generation = GenerateTimer(llm.generate)
         llm.generate = generation
     else:

@@ -77,6 +77,18 @@ def varlen_lengths(count: int, low: int = 16, high: int = 2048, mean: float = 50
     return lengths
 
 
+def workload_lengths(args, count: int) -> list[int] | None:
+    """Settle ``args.response_len`` (None: 256 fixed, 2,048 varlen) and, for ``args.lengths == "varlen"``, draw
+    ``count`` lengths; a smaller ``--response-len`` scales the distribution down (for dry runs on a CPU)."""
+    longest = VARLEN["high"] if args.lengths == "varlen" else 256
+    args.response_len = args.response_len or longest
+    if args.lengths != "varlen":
+        return None
+    scale = args.response_len / VARLEN["high"]
+    return varlen_lengths(count, low=min(VARLEN["low"], args.response_len), high=args.response_len,
+                          mean=VARLEN["mean"] * scale, sigma=VARLEN["sigma"], seed=VARLEN["seed"])
+
+
 class ForcedLengths:
     """Wraps ``vllm.LLM.generate`` so that the k-th completion it is asked for has exactly ``lengths[k % len]``
     tokens (each request of n samples becomes n requests of one, ``min_tokens = max_tokens = length``);

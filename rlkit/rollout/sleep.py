@@ -30,7 +30,8 @@ class SleepPolicy:
         self.awake_last = False
 
     def record_update(self, reserved: int) -> None:
-        """At a weight sync (before the engine wakes): the trainer process's reserved bytes, its update's need."""
+        """At a weight sync after an update (before the engine wakes): the trainer process's reserved bytes,
+        what that update needed. A sync with no update before it (a resume) is not one to record."""
         self.need = reserved if self.need is None else max(self.need, reserved)
 
     def should_sleep(self, *, free: int, held: int, total: int) -> bool:

@@ -161,7 +161,8 @@ class VLLMEngine:
         else:
             self._shared.fill(weights)
             torch.cuda.synchronize(self.device)
-        self.sleep_policy.record_update(torch.cuda.memory_reserved(self.device))
+        if self._asleep or self.sleep_policy.awake_last:  # an update ran since the last rollout (not a resume)
+            self.sleep_policy.record_update(torch.cuda.memory_reserved(self.device))
         self._wake("weights")
         self.last_sync = self.llm.collective_rpc("rlkit_reload_attached")[0]
         self._wake("kv_cache")
