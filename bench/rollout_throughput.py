@@ -177,12 +177,12 @@ def main() -> None:
 def report(rows: dict[str, dict]) -> None:
     base = rows.get("hf")
     print(f"\n{'engine':<7}{'start s':>9}{'tokens':>9}{'gen s':>8}{'tok/s':>10}{'x hf':>7}{'gather s':>10}"
-          f"{'sync 1 s':>10}{'sync s':>8}{'how':>8}{'sleep s':>9}{'freed GiB':>11}{'woken s':>9}{'tensors':>9}")
+          f"{'sync 1 s':>10}{'sync s':>8}{'how':>10}{'sleep s':>9}{'freed GiB':>11}{'woken s':>9}{'tensors':>9}")
     for name, r in rows.items():
         rate = r["tokens"] / r["seconds"]
         ratio = rate / (base["tokens"] / base["seconds"]) if base else float("nan")
         print(f"{name:<7}{r['start_s']:>9.1f}{r['tokens']:>9.0f}{r['seconds']:>8.2f}{rate:>10.0f}{ratio:>7.2f}"
-              f"{r['gather_s']:>10.3f}{r['sync_first_s']:>10.3f}{r['sync_s']:>8.3f}{r['how']:>8}"
+              f"{r['gather_s']:>10.3f}{r['sync_first_s']:>10.3f}{r['sync_s']:>8.3f}{r['how']:>10}"
               f"{r['sleep_s']:>9.2f}{r['freed_gib']:>11.1f}{r['sync_after_sleep_s']:>9.3f}{r['tensors']:>9.0f}")
 
 

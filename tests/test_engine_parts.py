@@ -19,7 +19,8 @@ GIB = 2**30
 
 @pytest.mark.parametrize(
     ("prompts", "fraction", "chosen"),
-    [(64, 0.125, list(range(0, 64, 8))), (5, 0.5, [0, 1, 3]), (4, 0.0, []), (3, 1.0, [0, 1, 2]), (1, 0.01, [0])],
+    [(64, 0.125, list(range(0, 64, 8))), (5, 0.5, [0, 1, 3]), (4, 0.0, []), (3, 1.0, [0, 1, 2]), (1, 0.01, [0]),
+     (30, 0.1, [0, 10, 20])],
 )
 def test_logprob_prompts_are_evenly_spaced(prompts, fraction, chosen):
     assert logprob_prompts(prompts, fraction).nonzero().flatten().tolist() == chosen

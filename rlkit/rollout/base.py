@@ -70,7 +70,7 @@ def logprob_prompts(prompts: int, fraction: float) -> torch.Tensor:
     """[prompts] bool: which prompts' completions carry engine log-probs, ``ceil(fraction * prompts)`` of them
     evenly spaced from the first (at least one when ``fraction`` > 0, none when it is 0)."""
     chosen = torch.zeros(prompts, dtype=torch.bool)
-    count = min(prompts, math.ceil(fraction * prompts))
+    count = min(prompts, math.ceil(round(fraction * prompts, 6)))  # 0.1 * 30 is 3, not 3.0000000000000004
     if count:
         chosen[torch.arange(count) * prompts // count] = True
     return chosen
