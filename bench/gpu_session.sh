@@ -14,10 +14,10 @@
 #   R4    (none, or as R3 when the machine is fresh)    bash bench/gpu_session.sh r4               ~9.5
 #
 # R1 (issue 14's yardstick, one machine): rlkit 0.5B vllm step + a profiled step + bare vLLM in the same
-# process; TRL 0.5B HF generate and vLLM colocate; rlkit 1.5B vllm; TRL 1.5B HF generate. R2: verl 0.5B;
-# the sync breakdown (bench/rollout_throughput.py); rlkit 0.5B hf engine; tests/test_gpu.py. R3: issue 15's
-# varlen workload (rlkit padded and padding-free, TRL vLLM colocate on the same lengths) and offload at 0.5B.
-# R4: the 3B shape with 2,048-token responses (activation checkpointing off/on, offload on).
+# process; TRL 0.5B HF generate and vLLM colocate; rlkit 1.5B vllm. R2: verl 0.5B; TRL 1.5B HF generate;
+# tests/test_gpu.py; the sync breakdown (bench/rollout_throughput.py); rlkit 0.5B hf engine (last, optional).
+# R3: issue 15's varlen workload (rlkit padded and padding-free, TRL vLLM colocate on the same lengths) and
+# offload at 0.5B. R4: the 3B shape with 2,048-token responses (activation checkpointing off/on, offload on).
 # Without verl (drop T5, T6): R2 skips it, ~5 minutes saved.
 #
 # Each item is skipped when the call's 570 s would not cover its estimate, and stopped at the call's end.
@@ -78,17 +78,20 @@ r1() {
   item trl-0.5b-vllm 100 "${TRL[@]}" --shape 0.5b --steps 4 --vllm --label trl-vllm --json "$RAW/r1/trl-0.5b-vllm.json"
   item rlkit-1.5b-vllm 110 "${GRPO[@]}" --shape 1.5b --engine vllm --steps 3 \
     --label rlkit-vllm --json "$RAW/r1/rlkit-1.5b-vllm.json"
-  item trl-1.5b-hf 90 "${TRL[@]}" --shape 1.5b --steps 3 --label trl-hf --json "$RAW/r1/trl-1.5b-hf.json"
 }
 
 r2() {
-  [ -d /tmp/site-verl/verl ] || echo "=== verl not installed (T5, T6 not made): skipped"
-  [ -d /tmp/site-verl/verl ] && item verl-0.5b 240 env PYTHONPATH="$VERL_PATH" python3 bench/verl_grpo.py --root "$MODELS" --shape 0.5b --steps 4 \
-    --label verl --json "$RAW/r2/verl-0.5b.json"
+  if [ -d /tmp/site-verl/verl ]; then
+    item verl-0.5b 240 env PYTHONPATH="$VERL_PATH" python3 bench/verl_grpo.py --root "$MODELS" --shape 0.5b \
+      --steps 4 --label verl --json "$RAW/r2/verl-0.5b.json"
+  else
+    echo "=== verl not installed (T5, T6 not made): skipped"
+  fi
+  item trl-1.5b-hf 90 "${TRL[@]}" --shape 1.5b --steps 3 --label trl-hf --json "$RAW/r2/trl-1.5b-hf.json"
+  item gpu-tests 200 python3 -m pytest -x -q tests/test_gpu.py
   item sync-breakdown-0.5b 90 python3 bench/rollout_throughput.py --device cuda --shape 0.5b --engines vllm \
     --engine-logprobs 0.125 --root "$MODELS" --label sync-breakdown --json "$RAW/r2/sync-0.5b.json"
   item rlkit-0.5b-hf 100 "${GRPO[@]}" --shape 0.5b --engine hf --steps 3 --label rlkit-hf --json "$RAW/r2/rlkit-0.5b-hf.json"
-  item gpu-tests 200 python3 -m pytest -x -q tests/test_gpu.py
 }
 
 r3() {
