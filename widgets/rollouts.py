@@ -26,6 +26,8 @@ LEGENDS = {
 def token_rgba(value: float, colouring: str, scale: float) -> str:
     """The background of a token: green/red by sign for advantages (relative to ``scale``), red for large gaps
     and unlikely tokens (absolute scales :data:`GAP_FULL`, :data:`LOGPROB_FULL`)."""
+    if not math.isfinite(value):  # no engine log-prob for this row
+        return "rgba(0,0,0,0.00)"
     if colouring == "advantage":
         alpha = min(1.0, abs(value) / scale) * 0.6 if scale > 0 else 0.0
         return f"rgba(0,150,0,{alpha:.2f})" if value >= 0 else f"rgba(210,0,0,{alpha:.2f})"

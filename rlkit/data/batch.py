@@ -31,7 +31,10 @@ class Batch:
     response_mask: torch.Tensor
     """[B, T] float32, 1 on generated tokens (the end-of-text token included)."""
     rollout_logprobs: torch.Tensor
-    """[B, T] float32 log-probs of the sampled tokens under the rollout engine."""
+    """[B, T] float32 log-probs of the sampled tokens under the rollout engine; NaN on the rows the engine
+    returned none for (``rollout.engine_logprobs`` < 1 asks for a fraction of the prompts only)."""
+    rollout_logprob_rows: torch.Tensor | None = None
+    """[B] bool, True where ``rollout_logprobs`` holds the engine's log-probs; None: every row."""
     group: torch.Tensor
     """[B] int64, the prompt index within the step (samples of one prompt share it)."""
     rank: torch.Tensor | None = None
@@ -80,23 +83,36 @@ class Batch:
         warnings.warn("Batch.logprobs is now Batch.old_logprobs", DeprecationWarning, stacklevel=2)
         self.old_logprobs = value
 
+    def engine_checked(self) -> torch.Tensor:
+        """[B, T] bool: response tokens whose engine log-prob is known (what the gap check compares)."""
+        rows = self.rollout_logprob_rows
+        checked = self.response_mask > 0
+        return checked if rows is None else checked & rows[:, None]
+
     def logprob_gap_tokens(self) -> torch.Tensor | None:
-        """[B, T] |trainer - rollout engine| log-prob of each sampled token (0 where masked), or None before the
-        trainer scored the rollout. The engine sampled with the weights it holds and the trainer scores with its
-        own, so a weight sync that did not take (or a precision mismatch) shows up here."""
+        """[B, T] |trainer - rollout engine| log-prob of each sampled token (0 where masked or not checked), or
+        None before the trainer scored the rollout. The engine sampled with the weights it holds and the trainer
+        scores with its own, so a weight sync that did not take (or a precision mismatch) shows up here."""
         if self.old_logprobs is None:
             return None
-        return torch.where(self.response_mask > 0, (self.old_logprobs - self.rollout_logprobs).abs(), 0.0)
+        return torch.where(self.engine_checked(), (self.old_logprobs - self.rollout_logprobs).abs(), 0.0)
 
     def logprob_gap(self) -> torch.Tensor | None:
-        """[B] the largest :meth:`logprob_gap_tokens` of each response, or None before the trainer's pass."""
+        """[B] the largest :meth:`logprob_gap_tokens` of each response (NaN where not checked), or None before
+        the trainer's pass."""
         gap = self.logprob_gap_tokens()
-        return None if gap is None else gap.max(dim=1).values
+        return None if gap is None else self._per_checked_row(gap.max(dim=1).values)
 
     def logprob_gap_mean(self) -> float | None:
-        """The mean of :meth:`logprob_gap_tokens` over all response tokens (nats per token), or None."""
-        gap = self.logprob_gap_tokens()
-        return None if gap is None else float(masked_mean(gap, self.response_mask))
+        """The mean of :meth:`logprob_gap_tokens` over the checked response tokens (nats per token), or None
+        before the trainer's pass or when no token was checked."""
+        gap, checked = self.logprob_gap_tokens(), self.engine_checked()
+        return None if gap is None or not checked.any() else float(masked_mean(gap, checked))
+
+    def _per_checked_row(self, values: torch.Tensor) -> torch.Tensor:
+        """[B] ``values`` with NaN on the rows without engine log-probs."""
+        rows = self.rollout_logprob_rows
+        return values if rows is None else torch.where(rows, values, torch.nan)
 
     def split(self, parts: int) -> list[Batch]:
         """``parts`` contiguous, equal slices (B must divide; groups stay whole when parts divides the prompts)."""
@@ -156,10 +172,12 @@ class Batch:
             columns["value"] = self.values[:, 0].tolist()
         if self.advantages is not None:
             columns["advantage"] = masked_mean(self.advantages, self.response_mask, dim=1).tolist()
-        columns["rollout_logprob_mean"] = masked_mean(self.rollout_logprobs, self.response_mask, dim=1).tolist()
-        gap = self.logprob_gap_tokens()
-        if gap is not None:
-            columns["logprob_gap_max"] = gap.max(dim=1).values.tolist()
-            columns["logprob_gap_mean"] = masked_mean(gap, self.response_mask, dim=1).tolist()
+        checked = self.engine_checked()
+        rollout_mean = masked_mean(self.rollout_logprobs, checked, dim=1)
+        columns["rollout_logprob_mean"] = self._per_checked_row(rollout_mean).tolist()
+        gap_tokens = self.logprob_gap_tokens()
+        if gap_tokens is not None:
+            columns["logprob_gap_max"] = self._per_checked_row(gap_tokens.max(dim=1).values).tolist()
+            columns["logprob_gap_mean"] = self._per_checked_row(masked_mean(gap_tokens, checked, dim=1)).tolist()
         return pd.DataFrame(columns)
 

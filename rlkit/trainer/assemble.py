@@ -45,6 +45,7 @@ def assemble_batch(
         attention_mask=torch.cat([prompt_mask.repeat_interleave(g, dim=0), response_mask.long()], dim=1),
         response_mask=response_mask,
         rollout_logprobs=torch.cat([r.rollout_logprobs for r in results]),
+        rollout_logprob_rows=torch.cat([r.rollout_logprob_rows for r in results]),
         old_logprobs=None if old[0] is None else torch.cat([t for t in old if t is not None]),
         ref_logprobs=None if ref[0] is None else torch.cat([t for t in ref if t is not None]),
         group=torch.arange(len(items)).repeat_interleave(g),

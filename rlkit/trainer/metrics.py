@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rlkit.algos import explained_variance, kl_estimate, masked_mean
 from rlkit.data.batch import Batch
 
@@ -28,7 +30,6 @@ def step_metrics(
     """
     lengths = batch.response_lengths.float()
     mask = batch.response_mask
-    gap = batch.logprob_gap_tokens()
     row: dict[str, float] = {
         "step": step,
         "reward/mean": batch.rewards.mean().item(),
@@ -37,8 +38,7 @@ def step_metrics(
         "response/length/mean": lengths.mean().item(),
         "response/length/max": lengths.max().item(),
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
-        "rollout/logprob_gap/mean": batch.logprob_gap_mean() or 0.0,
-        "rollout/logprob_gap/max": 0.0 if gap is None else gap.max().item(),
+        **_gap_metrics(batch),
         **_algorithm_metrics(batch),
         **update_metrics,
         "perf/tokens_per_s": (batch.attention_mask.sum().item()) / step_seconds,
@@ -51,6 +51,17 @@ def step_metrics(
         for kind, mib in mem.items():
             row[f"memory/rank{rank}/{kind}_mb"] = mib
     return row
+
+
+def _gap_metrics(batch: Batch) -> dict[str, float]:
+    """The trainer-vs-engine log-prob gap over the tokens the engine returned log-probs for (NaN if none)."""
+    mean, gap = batch.logprob_gap_mean(), batch.logprob_gap_tokens()
+    checked = batch.engine_checked()
+    return {
+        "rollout/logprob_gap/mean": math.nan if mean is None else mean,
+        "rollout/logprob_gap/max": math.nan if mean is None or gap is None else gap.max().item(),
+        "rollout/logprob_gap/checked_frac": checked.sum().item() / max(batch.response_mask.sum().item(), 1.0),
+    }
 
 
 def _algorithm_metrics(batch: Batch) -> dict[str, float]:

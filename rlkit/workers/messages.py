@@ -22,7 +22,9 @@ class RolloutResult(PhaseReport):
     response_mask: torch.Tensor
     """[N*G, T] float32, 1 on generated tokens (the end-of-text token included)."""
     rollout_logprobs: torch.Tensor
-    """[N*G, T] float32 log-probs of the sampled tokens under the rollout engine."""
+    """[N*G, T] float32 log-probs of the sampled tokens under the rollout engine (NaN on rows without)."""
+    rollout_logprob_rows: torch.Tensor
+    """[N*G] bool, True on the rows the engine returned log-probs for."""
     old_logprobs: torch.Tensor | None
     """[N*G, T] under the actor before the update (None with ``recompute_logprobs=False``)."""
     ref_logprobs: torch.Tensor | None

@@ -126,6 +126,7 @@ class PolicyWorker(Role):
             response_ids=gen.response_ids.cpu(),
             response_mask=gen.response_mask.cpu(),
             rollout_logprobs=gen.logprobs.cpu(),
+            rollout_logprob_rows=gen.logprob_rows.cpu(),
             old_logprobs=None if old_logprobs is None else old_logprobs.cpu(),
             ref_logprobs=None if ref_logprobs is None else ref_logprobs.cpu(),
             finish_reason=gen.finish_reason,
