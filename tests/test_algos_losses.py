@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from test_algos import padded_mask, valid_positions
 
 from rlkit.algos import (
     LOSS_AGG_MODES,
@@ -151,7 +152,47 @@ def test_nan_and_inf_in_padding_reach_neither_loss_nor_gradient(name):
         assert (grad[mask > 0] != 0).all(), mode
 
 
-# -- aggregation and masked_mean drop padding ----------------------------------------------------------------
+# -- aggregation: hand values, loop reference, any split, padding dropped ----------------------------------
+
+
+def test_aggregation_modes_hand_computed():
+    per_token = torch.tensor([[1.0, 2.0, 50.0], [3.0, 50.0, 50.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate_loss(per_token, mask, "token-mean").item() == pytest.approx(2.0)  # (1+2+3)/3
+    assert aggregate_loss(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(2.25)  # (1.5+3)/2
+    assert aggregate_loss(per_token, mask, "seq-mean-token-sum").item() == pytest.approx(3.0)  # (3+3)/2
+    assert aggregate_loss(per_token, mask, "seq-mean-token-sum-norm").item() == pytest.approx(1.0)  # (3+3)/(2*3)
+    assert aggregate_loss(per_token, mask, "seq-mean-token-sum-norm", horizon=6).item() == pytest.approx(0.5)
+    assert aggregate_loss(per_token, mask, "token-sum").item() == pytest.approx(6.0)  # 1+2+3
+    with pytest.raises(ValueError, match="valid modes"):
+        aggregate_loss(per_token, mask, "sum")
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_aggregation_matches_loop_reference_and_any_split(mode):
+    mask = padded_mask(10, 6, seed=12)
+    mask[3] = 0.0  # an empty response counts in no mode
+    per_token = torch.randn(10, 6, generator=torch.Generator().manual_seed(13))
+    rows = [[per_token[b, t].item() for t in valid_positions(mask[b])] for b in range(10)]
+    rows = [r for r in rows if r]
+    if mode == "token-mean":
+        expected = sum(map(sum, rows)) / sum(map(len, rows))
+    elif mode == "seq-mean-token-mean":
+        expected = sum(sum(r) / len(r) for r in rows) / len(rows)
+    elif mode == "seq-mean-token-sum":
+        expected = sum(sum(r) for r in rows) / len(rows)
+    elif mode == "seq-mean-token-sum-norm":
+        expected = sum(sum(r) / 6 for r in rows) / len(rows)
+    else:
+        expected = sum(map(sum, rows))
+    whole = aggregate_loss(per_token, mask, mode)
+    assert whole.item() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    tokens, seqs = float(mask.sum()), float((mask.sum(1) > 0).sum())
+    split = sum(
+        weighted_sum(per_token[a:b], loss_weights(mask[a:b], mode, num_tokens=tokens, num_seqs=seqs, horizon=6))
+        for a, b in ((0, 1), (1, 4), (4, 9), (9, 10))
+    )
+    assert split.item() == pytest.approx(whole.item(), rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

@@ -57,7 +57,7 @@ def test_new_rl_problems_are_reported_at_once():
         )
     text = str(err.value)
     for name in (
-        'policy_loss="cispo": use one of [\'ppo_clip\', \'gspo\']',
+        "policy_loss=\"cispo\": use one of ['ppo_clip', 'gspo']",
         "log_ratio_clamp=100.0: must be in (0, 80]",
         "kl_clamp=0.0: must be > 0",
         'loss_agg="seq-sum"',

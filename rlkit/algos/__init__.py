@@ -23,7 +23,7 @@ from rlkit.algos.dapo import informative_groups, mask_truncated, overlong_penalt
 from rlkit.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
 from rlkit.algos.losses import (
     POLICY_LOSSES,
-    PolicyLossFn,
+    ClipPolicyLossFn,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
@@ -50,7 +50,7 @@ __all__ = [
     "POLICY_LOSSES",
     "AdvantageFn",
     "AdvantageInputs",
-    "PolicyLossFn",
+    "ClipPolicyLossFn",
     "aggregate_loss",
     "clipped_policy_loss",
     "clipped_value_loss",

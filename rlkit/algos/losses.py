@@ -96,9 +96,11 @@ def gspo_policy_loss(
     return torch.where(mask, loss, 0.0), clipped * mask
 
 
-class PolicyLossFn(Protocol):
+class ClipPolicyLossFn(Protocol):
     """``fn(new_logprobs, old_logprobs, advantages, response_mask, *, clip_eps, clip_high, dual_clip,
-    log_ratio_clamp) -> (loss, clipped)``: [B, T] tensors in ([B] or [B, T] advantages), [B, T] out."""
+    log_ratio_clamp) -> (loss, clipped)``: [B, T] tensors in ([B] or [B, T] advantages), [B, T] out.
+    ``functools.partial(fn, clip_eps=..., clip_high=..., dual_clip=..., log_ratio_clamp=...)`` has the
+    four-argument form of ``Trainer(policy_loss_fn=...)``."""
 
     def __call__(
         self,
@@ -138,11 +140,11 @@ def ppo_clip_policy_loss(
     )
 
 
-POLICY_LOSSES: Mapping[str, PolicyLossFn] = types.MappingProxyType(
+POLICY_LOSSES: Mapping[str, ClipPolicyLossFn] = types.MappingProxyType(
     {"ppo_clip": ppo_clip_policy_loss, "gspo": gspo_policy_loss}
 )
 """Policy losses by name (the config's ``policy_loss``): "ppo_clip" (per-token ratio, PPO) and "gspo"
-(sequence ratio, GSPO-token). All share :class:`PolicyLossFn`'s signature."""
+(sequence ratio, GSPO-token). All share :class:`ClipPolicyLossFn`'s signature."""
 
 
 def _masked_inputs(
