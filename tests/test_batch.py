@@ -15,7 +15,7 @@ def make_batch(n=4, t=3) -> Batch:
         attention_mask=torch.ones(n, 2 + t, dtype=torch.long),
         response_mask=torch.tensor([[1.0, 1.0, 0.0]] * n),
         rollout_logprobs=torch.full((n, t), -1.0),
-        logprobs=torch.full((n, t), -1.5),
+        old_logprobs=torch.full((n, t), -1.5),
         group=torch.arange(n) // 2,
         finish_reason=["stop", "length"] * (n // 2),
         fields={"answer": [str(i) for i in range(n)]},

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from role_runs import assert_adam_step_matches, save_model_dir
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rlkit
@@ -12,9 +13,6 @@ from rlkit.models.logprobs import response_logprobs
 
 WIDTH = 4  # response tokens
 CLIP, KL, LR = 0.2, 0.05, 1e-3
-TINY_GRAD = 1e-7
-"""Gradient entries below this are at the level of float noise, where AdamW's first step (about
-lr * g / (|g| + eps), eps = 1e-8) can take either sign: such entries are held to within 2 * lr."""
 
 
 def small_model() -> Qwen2ForCausalLM:
@@ -46,7 +44,7 @@ def make_batch(n: int = 8) -> dict[str, torch.Tensor]:
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "response_mask": response_mask,
-        "logprobs": -4.5 + 0.5 * torch.randn(n, WIDTH, generator=gen),
+        "old_logprobs": -4.5 + 0.5 * torch.randn(n, WIDTH, generator=gen),
         "ref_logprobs": -4.2 + 0.5 * torch.randn(n, WIDTH, generator=gen),
         "advantages": torch.randn(n, generator=gen),
     }
@@ -71,13 +69,8 @@ class Reference:
     """Before clipping."""
 
     def assert_matches(self, weights: dict[str, torch.Tensor], label: str) -> None:
-        """Every weight as after the reference's AdamW step (entries with TINY_GRAD gradients: within 2 lr)."""
-        assert weights.keys() == self.weights.keys()
-        for name, ref in self.weights.items():
-            noise = self.grads[name].abs() < TINY_GRAD
-            got = weights[name]
-            torch.testing.assert_close(got[~noise], ref[~noise], rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
-            assert ((got[noise] - ref[noise]).abs() <= 2 * LR).all(), f"{label}: {name}"
+        """Every weight as after the reference's AdamW step (entries with float-noise gradients: within 2 lr)."""
+        assert_adam_step_matches(weights, self.weights, self.grads, LR, label)
 
 
 def reference_update() -> Reference:
@@ -85,7 +78,7 @@ def reference_update() -> Reference:
     model, batch = small_model(), make_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     logp = response_logprobs(model, batch["input_ids"], batch["attention_mask"], WIDTH, 1.0)
-    per_token, _ = clipped_policy_loss(logp, batch["logprobs"], batch["advantages"], CLIP)
+    per_token, _ = clipped_policy_loss(logp, batch["old_logprobs"], batch["advantages"], CLIP)
     per_token = per_token + KL * kl_estimate(logp, batch["ref_logprobs"], "k3")
     mask = batch["response_mask"]
     loss = (per_token * mask).sum() / mask.sum()
@@ -96,25 +89,17 @@ def reference_update() -> Reference:
     return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads)
 
 
-def sharded_update(version: int, micro: int) -> dict:
-    """On a worker: the same update through rlkit's Actor, this rank holding half the batch."""
-    import torch.distributed as dist
+def sharded_update(model_dir: str, version: int, micro: int) -> dict:
+    """On a worker: the same update through rlkit's PolicyWorker, this rank holding half the batch."""
+    from role_runs import policy_update
 
-    from rlkit.fsdp import build_mesh, iter_full_params
-    from rlkit.runtime import context
-    from rlkit.trainer.actor import STAT_NAMES, Actor
+    result = policy_update(model_dir, config(version, micro), make_batch())
+    return {"loss": result["metrics"]["actor/loss"], "weights": result["weights"]}
 
-    ctx = context()
-    cfg = config(version, micro)
-    actor = Actor(small_model(), build_mesh("cpu", ctx.world_size, cfg.fsdp), cfg)
-    half = make_batch()["input_ids"].shape[0] // ctx.world_size
-    shard = {k: v[ctx.rank * half : (ctx.rank + 1) * half] for k, v in make_batch().items()}
-    sums, _ = actor.train_step(shard)
-    dist.all_reduce(sums)
-    return {
-        "loss": dict(zip(STAT_NAMES, sums.tolist(), strict=True))["loss"],
-        "weights": dict(iter_full_params(actor.model)),
-    }
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
 
 
 @pytest.fixture(scope="module")
@@ -125,19 +110,19 @@ def cluster():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("version", [2, 1])
-def test_sharded_update_equals_unsharded_reference(cluster, version):
+def test_sharded_update_equals_unsharded_reference(cluster, model_dir, version):
     reference = reference_update()
-    results = cluster.run(sharded_update, version, 64)
+    results = cluster.run(sharded_update, model_dir, version, 64)
     for rank, result in enumerate(results):
         assert result["loss"] == pytest.approx(reference.loss, rel=1e-5, abs=1e-6)
         reference.assert_matches(result["weights"], f"rank {rank}")
 
 
 @pytest.mark.timeout(120)
-def test_gradient_accumulation_invariance(cluster):
+def test_gradient_accumulation_invariance(cluster, model_dir):
     """1 micro-batch of 4 per rank (8 in all) and micro-batches of 1 give the same update."""
-    whole = cluster.run(sharded_update, 2, 4)[0]
-    accumulated = cluster.run(sharded_update, 2, 1)[0]
+    whole = cluster.run(sharded_update, model_dir, 2, 4)[0]
+    accumulated = cluster.run(sharded_update, model_dir, 2, 1)[0]
     assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     for name, value in whole["weights"].items():
         torch.testing.assert_close(accumulated["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -154,24 +139,15 @@ def test_gradient_accumulation_invariance(cluster):
     ],
     ids=["fsdp2-no_shard", "fsdp2-hybrid", "fsdp1-no_shard", "fsdp1-grad_op"],
 )
-def test_other_strategies_match_reference(cluster, fsdp):
-    def run(fsdp):
-        import torch.distributed as dist
+def test_other_strategies_match_reference(cluster, model_dir, fsdp):
+    def run(model_dir, fsdp):
+        from role_runs import policy_update
 
-        from rlkit.fsdp import build_mesh, iter_full_params
-        from rlkit.runtime import context
-        from rlkit.trainer.actor import Actor
-
-        ctx = context()
         cfg = dataclasses.replace(config(fsdp.version, 64), fsdp=fsdp)
-        actor = Actor(small_model(), build_mesh("cpu", ctx.world_size, fsdp), cfg)
-        shard = {k: v[ctx.rank * 4 : (ctx.rank + 1) * 4] for k, v in make_batch().items()}
-        actor.train_step(shard)
-        dist.barrier()
-        return dict(iter_full_params(actor.model))
+        return policy_update(model_dir, cfg, make_batch())["weights"]
 
     reference = reference_update()
-    for rank, weights in enumerate(cluster.run(run, fsdp)):
+    for rank, weights in enumerate(cluster.run(run, model_dir, fsdp)):
         reference.assert_matches(weights, f"rank {rank}")
 
 
@@ -185,9 +161,12 @@ def test_cluster_dependent_config_problems():
 
 
 def test_lr_schedule():
-    from rlkit.trainer.optim import lr_factor
+    from rlkit.workers.optim import lr_factor
 
     warm = [lr_factor(s, warmup=4, total=10, schedule="constant", min_ratio=0.0) for s in range(6)]
     assert warm == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     cos = [lr_factor(s, warmup=0, total=5, schedule="cosine", min_ratio=0.1) for s in range(5)]
     assert cos[0] == pytest.approx(1.0) and cos[2] == pytest.approx(0.55) and cos[4] == pytest.approx(0.1)
+    kinds = ("cosine", "constant")
+    past = [lr_factor(s, warmup=0, total=5, schedule=kind, min_ratio=0.1) for kind in kinds for s in (5, 50)]
+    assert past == pytest.approx([0.1, 0.1, 1.0, 1.0])  # past the schedule: its last value, held

@@ -81,7 +81,7 @@ class RolloutView(View):
         b = self.batch
         if b is None:
             return []
-        have = {"advantage": b.advantages is not None, "logprob_gap": b.logprobs is not None, "logprob": True}
+        have = {"advantage": b.advantages is not None, "logprob_gap": b.old_logprobs is not None, "logprob": True}
         return [c for c in COLOURINGS if have[c]]
 
     def current_colouring(self) -> str | None:
@@ -97,7 +97,7 @@ class RolloutView(View):
             adv = b.advantages.float()
             return adv[:, None].expand_as(b.response_mask) if adv.dim() == 1 else adv
         if colouring == "logprob_gap":
-            return (b.logprobs - b.rollout_logprobs).abs()
+            return b.logprob_gap_tokens()
         return b.rollout_logprobs
 
     # -- rendering ----------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from rlkit.algos.losses import (
     masked_mean,
     ppo_clip_policy_loss,
 )
+from rlkit.algos.metrics import Mean, token_mean
+from rlkit.algos.objective import PolicyLossFn, PolicyObjective, policy_objective, value_objective
 from rlkit.algos.preference import (
     DPO_LOSSES,
     dpo_loss,
@@ -48,6 +50,9 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "Mean",
+    "PolicyLossFn",
+    "PolicyObjective",
     "AdvantageFn",
     "AdvantageInputs",
     "ClipPolicyLossFn",
@@ -76,9 +81,12 @@ __all__ = [
     "masked_whiten",
     "outcome_token_rewards",
     "overlong_penalty",
+    "policy_objective",
     "ppo_clip_policy_loss",
     "preference_metrics",
     "reinforce_baseline_advantages",
     "rloo_advantages",
+    "token_mean",
+    "value_objective",
     "weighted_sum",
 ]

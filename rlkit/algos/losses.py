@@ -12,11 +12,14 @@ from typing import Protocol
 import torch
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is > 0; masked entries are dropped (NaN or inf there is ignored).
-    Shapes: [B, T] each; returns a scalar (0 for an empty mask)."""
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is > 0; masked entries are dropped (NaN or inf there is ignored), 0 for an
+    empty mask. Shapes: [B, T] each; returns a scalar, or with ``dim`` the means along it (``dim=1``: [B])."""
     keep = mask > 0
-    return torch.where(keep, values, 0.0).sum() / keep.sum().clamp(min=1)
+    kept = torch.where(keep, values, 0.0)
+    if dim is None:
+        return kept.sum() / keep.sum().clamp(min=1)
+    return kept.sum(dim=dim) / keep.sum(dim=dim).clamp(min=1)
 
 
 def clipped_policy_loss(

@@ -77,6 +77,17 @@ class RolloutConfig:
     in (0, 1]; the FSDP actor shares the GPU, so leave it room."""
     kv_cache_gb: float = 0.0
     """vllm: KV cache size in GiB; 0 sizes it from gpu_memory_utilization on GPU, and takes 1 GiB on CPU."""
+    engine_logprobs: float = 0.125
+    """vllm: fraction of each rank's prompts (whole groups, evenly spaced) whose completions come back with the
+    engine's log-probs, in [0, 1]. They feed only the trainer-vs-engine gap check and the rollout table (the
+    update's forward gives the trainer's own), and returning them costs vLLM about two thirds again of its
+    generation time, so by default one group in 8 carries them; rows without are NaN in ``rollout_logprobs``.
+    1: every row (each completion's gap in the table); 0: none (no gap check). The hf engine returns them all."""
+    sleep: str = "auto"
+    """vllm on GPU: whether the engine releases its memory (sleep mode) while the actor trains. "always": every
+    step; "never": stays resident (the actor must fit beside gpu_memory_utilization of the device); "auto": sleeps
+    through the first step, then stays awake while the device, with the engine awake, has room for what the
+    trainer's process held at the end of its last update plus 10% of the device. No-op on CPU (no sleep mode)."""
 
     def problems(self, prefix: str = "rollout") -> list[str]:
         p: list[str] = []
@@ -101,6 +112,12 @@ class RolloutConfig:
             f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1], e.g. 0.5",
         )
         need(p, self.kv_cache_gb >= 0, f"{prefix}.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0 = automatic)")
+        need(
+            p,
+            0 <= self.engine_logprobs <= 1,
+            f"{prefix}.engine_logprobs={self.engine_logprobs}: must be in [0, 1] (fraction of prompts; 1 = all)",
+        )
+        need(p, self.sleep in SLEEP_MODES, f'{prefix}.sleep="{self.sleep}": use one of {SLEEP_MODES}')
         return p
 
     def cluster_problems(self, prefix: str = "rollout") -> list[str]:
@@ -116,6 +133,7 @@ class RolloutConfig:
 
 
 ENGINES = ("hf", "vllm")
+SLEEP_MODES = ("auto", "always", "never")
 
 
 @dataclass(kw_only=True)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
+
+from rlkit.algos import masked_mean
 
 
 @dataclass(kw_only=True)
@@ -37,7 +40,7 @@ class Batch:
     """B values, "stop" (end-of-text emitted) or "length" (hit max_new_tokens)."""
     fields: dict[str, list] = field(default_factory=dict)
     """Extra per-sample columns from the prompt source (e.g. "answer"), each of length B."""
-    logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
     """[B, T] float32 log-probs under the trainer's actor before the update (PPO's old policy); filled by
     the rollout, or by the update's own forward when ``recompute_logprobs=False``."""
     ref_logprobs: torch.Tensor | None = None
@@ -66,12 +69,34 @@ class Batch:
         """[B] int64 number of generated tokens."""
         return self.response_mask.sum(dim=1).long()
 
-    def logprob_gap(self) -> torch.Tensor | None:
-        """[B] max |trainer - rollout| log-prob over each response, or None before the trainer's pass."""
-        if self.logprobs is None:
+    @property
+    def logprobs(self) -> torch.Tensor | None:
+        """Deprecated alias of :attr:`old_logprobs` (kept for one release)."""
+        warnings.warn("Batch.logprobs is now Batch.old_logprobs", DeprecationWarning, stacklevel=2)
+        return self.old_logprobs
+
+    @logprobs.setter
+    def logprobs(self, value: torch.Tensor | None) -> None:
+        warnings.warn("Batch.logprobs is now Batch.old_logprobs", DeprecationWarning, stacklevel=2)
+        self.old_logprobs = value
+
+    def logprob_gap_tokens(self) -> torch.Tensor | None:
+        """[B, T] |trainer - rollout engine| log-prob of each sampled token (0 where masked), or None before the
+        trainer scored the rollout. The engine sampled with the weights it holds and the trainer scores with its
+        own, so a weight sync that did not take (or a precision mismatch) shows up here."""
+        if self.old_logprobs is None:
             return None
-        gap = (self.logprobs - self.rollout_logprobs).abs() * self.response_mask
-        return gap.max(dim=1).values
+        return torch.where(self.response_mask > 0, (self.old_logprobs - self.rollout_logprobs).abs(), 0.0)
+
+    def logprob_gap(self) -> torch.Tensor | None:
+        """[B] the largest :meth:`logprob_gap_tokens` of each response, or None before the trainer's pass."""
+        gap = self.logprob_gap_tokens()
+        return None if gap is None else gap.max(dim=1).values
+
+    def logprob_gap_mean(self) -> float | None:
+        """The mean of :meth:`logprob_gap_tokens` over all response tokens (nats per token), or None."""
+        gap = self.logprob_gap_tokens()
+        return None if gap is None else float(masked_mean(gap, self.response_mask))
 
     def split(self, parts: int) -> list[Batch]:
         """``parts`` contiguous, equal slices (B must divide; groups stay whole when parts divides the prompts)."""
@@ -130,13 +155,11 @@ class Batch:
         if self.values is not None:
             columns["value"] = self.values[:, 0].tolist()
         if self.advantages is not None:
-            columns["advantage"] = ((self.advantages * self.response_mask).sum(1) / lengths.clamp(min=1)).tolist()
-        mean_lp = (self.rollout_logprobs * self.response_mask).sum(1) / lengths.clamp(min=1)
-        columns["rollout_logprob_mean"] = mean_lp.tolist()
-        gap = self.logprob_gap()
+            columns["advantage"] = masked_mean(self.advantages, self.response_mask, dim=1).tolist()
+        columns["rollout_logprob_mean"] = masked_mean(self.rollout_logprobs, self.response_mask, dim=1).tolist()
+        gap = self.logprob_gap_tokens()
         if gap is not None:
-            columns["logprob_gap_max"] = gap.tolist()
-            tokens = (self.logprobs - self.rollout_logprobs).abs() * self.response_mask
-            columns["logprob_gap_mean"] = (tokens.sum(1) / lengths.clamp(min=1)).tolist()
+            columns["logprob_gap_max"] = gap.max(dim=1).values.tolist()
+            columns["logprob_gap_mean"] = masked_mean(gap, self.response_mask, dim=1).tolist()
         return pd.DataFrame(columns)
 

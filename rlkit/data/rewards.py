@@ -45,10 +45,18 @@ def reward_terms(
 
 
 def compute_rewards(
-    terms: list[WeightedReward], prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+    terms: list[WeightedReward],
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, list[Any]],
+    *,
+    scored: Mapping[str, tuple[torch.Tensor, float]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Call every reward function once on the whole batch.
 
+    Args:
+        scored: terms already computed elsewhere, by name: ([B] values, weight), e.g. a reward model
+            on the workers (whose failures are not the reward function's to report).
     Returns:
         total: [B] float32, the weighted sum of the terms.
         by_name: each term's [B] float32 values.
@@ -56,8 +64,11 @@ def compute_rewards(
         RewardError: a function raised, returned the wrong length, a non-number or NaN/inf.
     """
     by_name = {t.name: _call(t, prompts, completions, fields) for t in terms}
-    total = sum(t.weight * by_name[t.name] for t in terms)
-    return total.float(), by_name
+    weights = {t.name: t.weight for t in terms}
+    for name, (values, weight) in (scored or {}).items():
+        by_name[name], weights[name] = values.float(), weight
+    total = sum(weights[name] * values for name, values in by_name.items())
+    return torch.as_tensor(total).float(), by_name
 
 
 def _call(

@@ -43,7 +43,10 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
 
     Parameters stay fp32 (the optimizer's master copy); mixed precision casts
     them to the compute dtype for forward/backward and reduces gradients in
-    ``config.reduce_dtype``. Build the optimizer after this call.
+    ``config.reduce_dtype``. Gradients are SUMMED over ranks, not averaged (FSDP's
+    default): rlkit's loss weights already divide by the whole batch's token or
+    sequence count over all ranks, so the sum is the gradient of the whole batch's
+    loss. Build the optimizer after this call.
     """
     if config.version == 1:
         return _apply_fsdp1(model, mesh, config)
@@ -55,9 +58,10 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     )
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    units = [fully_shard(layer, **kwargs) for layer in decoder_layers(model)] + [fully_shard(model, **kwargs)]
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM collective, which gloo supports too
     return model
 
 
@@ -76,7 +80,7 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     }[config.sharding]
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
     device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    return FSDP(
+    wrapped = FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in decoder_layers(model)}),
         sharding_strategy=strategy,
@@ -87,3 +91,8 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
         device_mesh=mesh if config.sharding == "hybrid" else None,
         use_orig_params=True,
     )
+    for unit in FSDP.fsdp_modules(wrapped):
+        # FSDP1 has no public setting for this: its gradient reduction divides by these two factors
+        unit._gradient_predivide_factor = 1
+        unit._gradient_postdivide_factor = 1
+    return wrapped
