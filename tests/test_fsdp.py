@@ -50,12 +50,13 @@ def make_batch(n: int = 8) -> dict[str, torch.Tensor]:
     }
 
 
-def config(version: int, micro: int) -> rlkit.GRPOConfig:
+def config(version: int, micro: int, max_tokens: int = 0) -> rlkit.GRPOConfig:
     return rlkit.GRPOConfig(
         clip_eps=CLIP,
         kl_coef=KL,
         micro_batch_size=micro,
-        rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH),
+        max_tokens_per_micro_batch=max_tokens,
+        rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH, max_prompt_tokens=6),
         optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5),
         fsdp=rlkit.FSDPConfig(version=version),
     )
@@ -89,11 +90,11 @@ def reference_update() -> Reference:
     return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads)
 
 
-def sharded_update(model_dir: str, version: int, micro: int) -> dict:
+def sharded_update(model_dir: str, version: int, micro: int, max_tokens: int = 0) -> dict:
     """On a worker: the same update through rlkit's PolicyWorker, this rank holding half the batch."""
     from role_runs import policy_update
 
-    result = policy_update(model_dir, config(version, micro), make_batch())
+    result = policy_update(model_dir, config(version, micro, max_tokens), make_batch())
     return {"loss": result["metrics"]["actor/loss"], "weights": result["weights"]}
 
 
@@ -126,6 +127,17 @@ def test_gradient_accumulation_invariance(cluster, model_dir):
     assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     for name, value in whole["weights"].items():
         torch.testing.assert_close(accumulated["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_token_budget_micro_batches_give_the_update_of_one_big_batch(cluster, model_dir):
+    """Micro-batches of at most 10 or 20 real tokens (rows of 8 to 10: 1 or 2 rows each, reordered longest first)
+    give the update of the whole batch in one micro-batch."""
+    reference = reference_update()
+    for budget in (10, 20):
+        for rank, result in enumerate(cluster.run(sharded_update, model_dir, 2, 64, budget)):
+            assert result["loss"] == pytest.approx(reference.loss, rel=1e-5, abs=1e-6), f"budget {budget}"
+            reference.assert_matches(result["weights"], f"budget {budget}, rank {rank}")
 
 
 @pytest.mark.timeout(120)

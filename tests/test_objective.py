@@ -99,7 +99,9 @@ def assert_weights_close(got: dict, expected: dict, label: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+)
 def test_policy_update_matches_reference_in_every_mode_and_split(cluster, model_dir, mode):
     ref_loss, ref_clipfrac, ref_weights, ref_grads = policy_reference(mode)
     assert 0 < ref_clipfrac < 1

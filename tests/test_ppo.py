@@ -250,7 +250,7 @@ def test_grpo_family_settings_run_through_the_trainer(cluster):
         kl_coef=0.05,
         kl_mode="reward",
         kl_estimator="k1",
-        loss_agg="seq-mean-token-sum",
+        loss_agg="seq-mean-token-sum-norm",
         clip_high=0.28,
         dual_clip=3.0,
         entropy_coef=0.01,

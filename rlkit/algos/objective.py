@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkit.algos.aggregation import weighted_sum
 from rlkit.algos.kl import kl_estimate
-from rlkit.algos.losses import clipped_policy_loss, clipped_value_loss
+from rlkit.algos.losses import POLICY_LOSSES, clipped_value_loss
 from rlkit.algos.metrics import Mean, token_mean
 
 PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -27,15 +28,19 @@ tokens whose gradient a clip removed (for actor/clipfrac; zeros if there is no c
 class PolicyObjective:
     """What the actor minimises per token: policy loss + ``kl_coef`` x KL to the reference - ``entropy_coef`` x entropy.
 
-    ``kl_coef`` is the KL's weight in the LOSS (0 when the KL is a reward penalty instead).
-    ``policy_loss_fn`` replaces PPO's clipped surrogate (see :data:`PolicyLossFn`).
+    ``policy_loss`` names the loss in :data:`rlkit.algos.POLICY_LOSSES` ("ppo_clip", "gspo");
+    ``policy_loss_fn`` replaces it (see :data:`PolicyLossFn`). ``kl_coef`` is the KL's weight in
+    the LOSS (0 when the KL is a reward penalty instead).
     """
 
+    policy_loss: str = "ppo_clip"
     clip_eps: float = 0.2
     clip_high: float | None = None
     dual_clip: float | None = None
+    log_ratio_clamp: float = 20.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_clamp: float | None = 10.0
     entropy_coef: float = 0.0
     policy_loss_fn: PolicyLossFn | None = None
 
@@ -72,16 +77,25 @@ def policy_objective(
     if objective.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (the frozen reference's log-probs)")
-        kl = kl_estimate(new_logprobs, ref_logprobs, objective.kl_estimator)
+        kl = kl_estimate(
+            torch.where(response_mask > 0, new_logprobs, 0.0),
+            torch.where(response_mask > 0, ref_logprobs, 0.0),  # padding may hold NaN: keep it out of the graph
+            objective.kl_estimator,
+            clamp=objective.kl_clamp,
+            log_ratio_clamp=objective.log_ratio_clamp,
+        )
         per_token = per_token + objective.kl_coef * kl
     if objective.entropy_coef > 0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the entropy of the sampling distribution")
         per_token = per_token - objective.entropy_coef * entropy
-    loss = torch.where(weights > 0, per_token * weights, 0.0).sum()
+    loss = weighted_sum(per_token, weights)
+    approx_kl = kl_estimate(
+        old_logprobs, new_logprobs.detach(), "k3", clamp=None, log_ratio_clamp=objective.log_ratio_clamp
+    )
     metrics = {
         "actor/clipfrac": token_mean(clipped, response_mask),
-        "actor/approx_kl": token_mean(kl_estimate(old_logprobs, new_logprobs.detach(), "k3"), response_mask),
+        "actor/approx_kl": token_mean(approx_kl, response_mask),
         "actor/kl_loss": token_mean(kl, response_mask),
     }
     if entropy is not None:
@@ -96,16 +110,18 @@ def _policy_loss(
     response_mask: torch.Tensor,
     objective: PolicyObjective,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The user's policy_loss_fn (shape-checked) or PPO's clip with the objective's clip settings. [b, T] each."""
+    """The user's policy_loss_fn (shape-checked) or the named loss with the objective's clip settings. [b, T] each."""
     fn = objective.policy_loss_fn
     if fn is None:
-        return clipped_policy_loss(
+        return POLICY_LOSSES[objective.policy_loss](
             new_logprobs,
             old_logprobs,
             advantages,
-            objective.clip_eps,
+            response_mask,
+            clip_eps=objective.clip_eps,
             clip_high=objective.clip_high,
             dual_clip=objective.dual_clip,
+            log_ratio_clamp=objective.log_ratio_clamp,
         )
     out = fn(new_logprobs, old_logprobs, advantages, response_mask)
     if not (
@@ -132,7 +148,7 @@ def value_objective(
 ) -> tuple[torch.Tensor, dict[str, Mean]]:
     """One micro-batch's share of the critic's clipped value loss ([b, T] each), and critic/value_clipfrac."""
     per_token, clipped = clipped_value_loss(values, old_values, returns, clip)
-    loss = torch.where(weights > 0, per_token * weights, 0.0).sum()
+    loss = weighted_sum(per_token, weights)
     return loss, {"critic/value_clipfrac": token_mean(clipped, response_mask)}
 
 

@@ -50,6 +50,10 @@ class RLConfig:
     """Optimizer steps per epoch; the per-rank batch must divide by it."""
     micro_batch_size: int = 64
     """Sequences per forward/backward on a rank (gradient accumulation above it)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token-budget micro-batches: each forward/backward takes rows of at most this many real tokens (prompt +
+    response), as few micro-batches as fit, the same number on every rank, tokens balanced across them; 0 counts
+    sequences (micro_batch_size). Must hold the longest row: >= rollout.max_prompt_tokens + max_new_tokens."""
     recompute_logprobs: bool = True
     """Score each rollout with the actor before the update (a forward pass over every sample) for the
     PPO ratio's old log-probs, ``batch.logprobs`` and the rollout log-prob gap. With one optimizer step
@@ -154,6 +158,13 @@ class RLConfig:
         need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
         need(p, self.mini_batches >= 1, f"mini_batches={self.mini_batches}: must be >= 1")
         need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
+        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        need(
+            p,
+            self.max_tokens_per_micro_batch == 0 or self.max_tokens_per_micro_batch >= longest,
+            f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must hold the longest row, "
+            f"rollout.max_prompt_tokens + max_new_tokens = {longest} tokens (or 0 to count sequences)",
+        )
         if not self.recompute_logprobs:
             need(
                 p,

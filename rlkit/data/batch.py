@@ -121,9 +121,16 @@ class Batch:
         size = len(self) // parts
         return [self._slice(slice(i * size, (i + 1) * size)) for i in range(parts)]
 
+    def select(self, rows: torch.Tensor) -> Batch:
+        """The samples at ``rows`` ([k] int64 indices, in that order)."""
+        return self._slice(rows.tolist())
+
     @staticmethod
     def concat(batches: list[Batch]) -> Batch:
-        """Join slices made by :meth:`split` (or by ranks, which pad to the same P and T) in order."""
+        """Join batches in order (slices made by :meth:`split`, or rollouts of the same response width T);
+        prompts padded to different widths are left-padded to the widest (id 0, mask 0)."""
+        width = max(b.input_ids.shape[1] for b in batches)
+        batches = [b._left_padded(width) for b in batches]
         first = batches[0]
         out = {}
         for f in dataclasses.fields(Batch):
@@ -140,17 +147,32 @@ class Batch:
                 out[f.name] = sum(values, [])
         return Batch(**out)
 
-    def _slice(self, index: slice) -> Batch:
+    def _slice(self, index: slice | list[int]) -> Batch:
+        def take(value):
+            if isinstance(value, torch.Tensor) or isinstance(index, slice):
+                return value[index]
+            return [value[i] for i in index]
+
         out = {}
         for f in dataclasses.fields(Batch):
             value = getattr(self, f.name)
             if isinstance(value, dict):
-                out[f.name] = {k: v[index] for k, v in value.items()}
+                out[f.name] = {k: take(v) for k, v in value.items()}
             elif value is None:
                 out[f.name] = None
             else:
-                out[f.name] = value[index]
+                out[f.name] = take(value)
         return Batch(**out)
+
+    def _left_padded(self, width: int) -> Batch:
+        """This batch with ``input_ids`` and ``attention_mask`` left-padded to ``width`` columns."""
+        extra = width - self.input_ids.shape[1]
+        if extra == 0:
+            return self
+        pad = torch.nn.functional.pad
+        return dataclasses.replace(
+            self, input_ids=pad(self.input_ids, (extra, 0)), attention_mask=pad(self.attention_mask, (extra, 0))
+        )
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per completion: what a person reads to judge a step."""

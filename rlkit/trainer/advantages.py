@@ -21,11 +21,14 @@ def advantage_inputs(batch: Batch, config: RLConfig) -> AdvantageInputs:
             batch.response_mask,
             coef=config.kl_coef,
             estimator=config.kl_estimator,
+            clamp=config.kl_clamp,
+            log_ratio_clamp=config.log_ratio_clamp,
         )
     return AdvantageInputs(
         token_rewards=token_rewards,
         response_mask=batch.response_mask,
         group_size=config.group_size,
+        group=batch.group,
         values=batch.values,
         gamma=config.gamma,
         lam=config.lam,

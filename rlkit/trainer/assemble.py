@@ -1,4 +1,5 @@
-"""The controller's side of a rollout: prompts into token ids, and the ranks' results into one Batch."""
+"""The controller's side of the rank calls: prompts into token ids, the ranks' rollouts into one Batch, and a
+Batch into each rank's rows for the updates."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from typing import Any
 
 import torch
 
+from rlkit.algos import mask_truncated
 from rlkit.data.batch import Batch
-from rlkit.workers import RolloutResult
+from rlkit.workers import CriticRows, PolicyRows, RolloutResult
 
 
 def tokenize_prompts(tokenizer: Any, texts: list[str], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,4 +54,29 @@ def assemble_batch(
         rank=torch.cat([torch.full((len(r.response_ids),), i) for i, r in enumerate(results)]),
         finish_reason=[reason for r in results for reason in r.finish_reason],
         fields=fields,
+    )
+
+
+def policy_rows(shard: Batch, drop_truncated: bool) -> PolicyRows:
+    """The rows of the policy update; with ``drop_truncated`` the truncated completions leave the loss (DAPO)."""
+    assert shard.advantages is not None
+    loss_mask = mask_truncated(shard.response_mask, shard.finish_reason) if drop_truncated else shard.response_mask
+    return PolicyRows(
+        input_ids=shard.input_ids,
+        attention_mask=shard.attention_mask,
+        response_mask=loss_mask,
+        advantages=shard.advantages,
+        old_logprobs=shard.old_logprobs,
+        ref_logprobs=shard.ref_logprobs,
+    )
+
+
+def critic_rows(shard: Batch) -> CriticRows:
+    assert shard.values is not None and shard.returns is not None
+    return CriticRows(
+        input_ids=shard.input_ids,
+        attention_mask=shard.attention_mask,
+        response_mask=shard.response_mask,
+        old_values=shard.values,
+        returns=shard.returns,
     )

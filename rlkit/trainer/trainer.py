@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +24,24 @@ import pandas as pd
 import torch
 
 from rlkit import diagnostics
-from rlkit.algos import AdvantageFn, PolicyLossFn
-from rlkit.config import ConfigError, PPOConfig, RLConfig, config_from_dict
+from rlkit.algos import AdvantageFn, PolicyLossFn, overlong_penalty
+from rlkit.config import PPOConfig, RLConfig, config_from_dict
 from rlkit.data.batch import Batch
-from rlkit.data.prompts import PromptSource
-from rlkit.data.rewards import RewardError, RewardFn, compute_rewards, reward_terms
+from rlkit.data.rewards import RewardError, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank, RoleGroup
 from rlkit.trainer import checkpoints
 from rlkit.trainer.advantages import estimate_advantages
-from rlkit.trainer.assemble import assemble_batch, tokenize_prompts
+from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tokenize_prompts
+from rlkit.trainer.inputs import Rewards, task_defaults
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
 from rlkit.trainer.model_reward import ModelReward
-from rlkit.workers import CriticRows, CriticWorker, PolicyRows, PolicyWorker
+from rlkit.trainer.sampling import refill_informative
+from rlkit.workers import CriticWorker, PolicyWorker
 from rlkit.workers.phases import PhaseReport
 
 logger = logging.getLogger(__name__)
 
-Rewards = RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]]
 
 
 class Trainer:
@@ -75,7 +75,7 @@ class Trainer:
         self.cluster = cluster
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.reward_fn, self._prompts = _task_defaults(config, reward_fn, prompts)
+        self.reward_fn, self._prompts = task_defaults(config, reward_fn, prompts)
         self._advantage_fn = advantage_fn
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         self.steps_done = 0
@@ -118,6 +118,10 @@ class Trainer:
         Returns a Batch with completions, engine and trainer log-probs (the latter only after the
         update with ``recompute_logprobs=False``), reference log-probs, and the critic's values with PPO.
         """
+        return self._rollout(0)
+
+    def _rollout(self, refill: int) -> Batch:
+        """:meth:`rollout`; ``refill`` > 0 is dynamic sampling's extra draw of the step (own seeds and group ids)."""
         cfg = self.config
         start = time.perf_counter()
         position = self._prompts.state_dict()
@@ -130,7 +134,7 @@ class Trainer:
             self._prompts.load_state_dict(position)
             raise
         ranks = self.cluster.world_size
-        seeds = [cfg.seed * 1_000_003 + self.steps_done * ranks + r for r in range(ranks)]
+        seeds = [cfg.seed * 1_000_003 + self.steps_done * ranks + refill * 7_919_111 + r for r in range(ranks)]
         results = self._policy.call(
             PolicyWorker.rollout,
             PerRank(list(prompt_ids.chunk(ranks))),
@@ -138,6 +142,7 @@ class Trainer:
             PerRank(seeds),
         )
         batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
+        batch.group += refill * cfg.prompts_per_step
         self._record("rollout", start, results)
         if self._critic is not None:
             values = self._critic.call(
@@ -161,6 +166,12 @@ class Trainer:
         if self._reward_model is not None:  # on the workers: a dead rank surfaces as WorkerDied, not as RewardError
             scores = self._reward_model(batch.prompts, batch.completions)
             scored["reward_model"] = (torch.tensor(scores), self.config.reward_model.weight)
+        cfg = self.config
+        if cfg.overlong_buffer:  # DAPO's soft overlong punishment, a reward term of its own
+            lengths = batch.response_lengths
+            penalty = overlong_penalty(lengths, max_new_tokens=cfg.rollout.max_new_tokens, buffer=cfg.overlong_buffer,
+                                       penalty=cfg.overlong_penalty)  # fmt: skip
+            scored["overlong"] = (penalty, 1.0)
         total, by_name = compute_rewards(self._rewards, batch.prompts, batch.completions, batch.fields, scored=scored)
         batch.rewards, batch.reward_terms = total, by_name
         self._phase_times["score"] = time.perf_counter() - start
@@ -189,11 +200,12 @@ class Trainer:
         shards = batch.split(self.cluster.world_size)
         metrics: dict[str, float] = {}
         if self._critic is not None:
-            critic_rows = [_critic_rows(shard) for shard in shards]
-            critic_results = self._critic.call(CriticWorker.update, PerRank(critic_rows))
+            critic_rows_per_rank = [critic_rows(shard) for shard in shards]
+            critic_results = self._critic.call(CriticWorker.update, PerRank(critic_rows_per_rank))
             self._record("update", start, critic_results)
             metrics.update(critic_results[0].metrics)
-        results = self._policy.call(PolicyWorker.update, PerRank([_policy_rows(shard) for shard in shards]))
+        rows = [policy_rows(shard, self.config.mask_truncated) for shard in shards]
+        results = self._policy.call(PolicyWorker.update, PerRank(rows))
         self._record("update", start, results)
         if batch.old_logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout
             batch.old_logprobs = torch.cat([r.old_logprobs for r in results if r.old_logprobs is not None])
@@ -216,20 +228,18 @@ class Trainer:
                 self.steps_done + 1,
                 self.config.steps,
             )
+        cfg = self.config
         start = time.perf_counter()
         self._phase_times, self._worker_times = {}, {}
-        if batch is None:
-            batch = self.rollout()
-        self.last_batch = batch
-        try:
-            self.score(batch)
-        except RewardError as exc:
-            raise RewardError(
-                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
-                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
-            ) from exc
+        batch = self._scored(self.rollout() if batch is None else batch)
+        sampling = {}
+        if cfg.dynamic_sampling:
+            batch, sampling = refill_informative(
+                batch, self._scored_refill, groups=cfg.prompts_per_step, max_rounds=cfg.max_refill_rounds
+            )
+            self.last_batch = batch
         self.advantages(batch)
-        metrics = self.update(batch)
+        metrics = {**self.update(batch), **sampling}
         self.steps_done += 1
         row = step_metrics(
             step=self.steps_done,
@@ -242,6 +252,20 @@ class Trainer:
         )
         self._rows.append(row)
         return row
+
+    def _scored(self, batch: Batch) -> Batch:
+        """``batch`` scored, kept in :attr:`last_batch` so that a reward function that fails loses nothing."""
+        self.last_batch = batch
+        try:
+            return self.score(batch)
+        except RewardError as exc:
+            raise RewardError(
+                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
+                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
+            ) from exc
+
+    def _scored_refill(self, refill: int) -> Batch:
+        return self._scored(self._rollout(refill))
 
     def fit(
         self, steps: int | None = None, *, progress: bool = True, on_step: Callable[[dict], None] | None = None
@@ -354,47 +378,3 @@ class Trainer:
         for name in results[0].times:
             self._worker_times[name] = max(r.times[name] for r in results)
         self._memory = [r.memory_mb for r in results]
-
-
-def _policy_rows(shard: Batch) -> PolicyRows:
-    assert shard.advantages is not None
-    return PolicyRows(
-        input_ids=shard.input_ids,
-        attention_mask=shard.attention_mask,
-        response_mask=shard.response_mask,
-        advantages=shard.advantages,
-        old_logprobs=shard.old_logprobs,
-        ref_logprobs=shard.ref_logprobs,
-    )
-
-
-def _critic_rows(shard: Batch) -> CriticRows:
-    assert shard.values is not None and shard.returns is not None
-    return CriticRows(
-        input_ids=shard.input_ids,
-        attention_mask=shard.attention_mask,
-        response_mask=shard.response_mask,
-        old_values=shard.values,
-        returns=shard.returns,
-    )
-
-
-def _task_defaults(
-    config: RLConfig, reward_fn: Rewards | None, prompts: Sequence[str | dict[str, Any]] | None
-) -> tuple[Rewards | None, PromptSource]:
-    """Fill in the bundled task for model="tiny"; any other model needs prompts, and reward_fn unless a
-    reward model is configured. With a reward model and no reward_fn, the reward model alone scores."""
-    has_rm = bool(config.reward_model.path)
-    absent = (("reward_fn", reward_fn is None and not has_rm), ("prompts", prompts is None))
-    missing = [name for name, is_absent in absent if is_absent]
-    if config.model != "tiny" and missing:
-        raise ConfigError([f"{' and '.join(missing)} missing: only model='tiny' has a bundled task and reward"])
-    from rlkit.data.tasks import AdditionTask, addition_reward
-
-    if prompts is not None:
-        source = PromptSource(prompts, seed=config.seed)
-    else:
-        source = PromptSource(task=AdditionTask(), seed=config.seed)
-    if reward_fn is None and not has_rm:
-        reward_fn = addition_reward
-    return reward_fn, source

@@ -76,10 +76,49 @@ def mini_batches(rows: RowsT, count: int) -> Iterator[RowsT]:
         yield rows.select(slice(start, start + size))
 
 
-def micro_batches(rows: RowsT, size: int) -> Iterator[RowsT]:
-    """Consecutive slices of at most ``size`` rows (one forward/backward each)."""
-    for start in range(0, len(rows), size):
-        yield rows.select(slice(start, start + size))
+def micro_batches(rows: RowsT, size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, RowsT]]:
+    """The micro-batches of ``rows`` (one forward/backward each), with the positions of their rows in ``rows``.
+
+    ``max_tokens`` = 0: consecutive slices of at most ``size`` rows. Otherwise token-budget micro-batches:
+    each holds rows of at most ``max_tokens`` real tokens in all (prompt + response, what a packed forward
+    computes), as few as fit, and EVERY rank makes as many as the rank that needs the most (one all-reduce),
+    since FSDP's collectives pair the ranks' forward passes (ranks hold equally many rows, so none is left
+    with fewer rows than micro-batches). Rows are dealt longest first, each into the lightest micro-batch,
+    so the micro-batches carry about the same tokens.
+
+    Example:
+        real tokens per row [9, 2, 7, 3], max_tokens=10: 21 tokens need at least 3 micro-batches; longest
+        first into the lightest gives rows [0] (9 tokens), [2] (7) and [3, 1] (5), all within the budget.
+    """
+    if max_tokens == 0:
+        return [
+            (torch.arange(s, min(s + size, len(rows))), rows.select(slice(s, s + size)))
+            for s in range(0, len(rows), size)
+        ]
+    lengths = rows.attention_mask.sum(dim=1).tolist()
+    count = torch.tensor(_fewest_bins(lengths, max_tokens), device=rows.input_ids.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    device = rows.input_ids.device
+    return [(torch.tensor(b), rows.select(torch.tensor(b, device=device))) for b in _balanced_bins(lengths, int(count))]
+
+
+def _balanced_bins(lengths: list[int], count: int) -> list[list[int]]:
+    """Row positions dealt into ``count`` bins, longest first, each into the bin with the fewest tokens so far."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = min(range(count), key=loads.__getitem__)
+        bins[lightest].append(i)
+        loads[lightest] += lengths[i]
+    return bins
+
+
+def _fewest_bins(lengths: list[int], max_tokens: int) -> int:
+    """The fewest bins for which :func:`_balanced_bins` keeps every bin within ``max_tokens``."""
+    count = max(1, -(-sum(lengths) // max_tokens))
+    while count < len(lengths) and any(sum(lengths[i] for i in b) > max_tokens for b in _balanced_bins(lengths, count)):
+        count += 1
+    return count
 
 
 def global_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,7 +66,7 @@ class CriticWorker(Role):
                     num_tokens, num_seqs = global_counts(mini.response_mask)
                     critic.optimizer.zero_grad(set_to_none=True)
                     step_loss = torch.zeros((), device=critic.device)
-                    for micro in micro_batches(mini, cfg.micro_batch_size):
+                    for _, micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
                         weights = loss_weights(
                             micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
                         )

@@ -65,11 +65,14 @@ class PolicyWorker(Role):
             trust_remote_code=config.trust_remote_code,
         )
         self.objective = PolicyObjective(
+            policy_loss=config.policy_loss,
             clip_eps=config.clip_eps,
             clip_high=config.clip_high,
             dual_clip=config.dual_clip,
+            log_ratio_clamp=config.log_ratio_clamp,
             kl_coef=config.kl_coef if config.kl_mode == "loss" else 0.0,
             kl_estimator=config.kl_estimator,
+            kl_clamp=config.kl_clamp,
             entropy_coef=config.entropy_coef,
             policy_loss_fn=policy_loss_fn,
         )
@@ -145,7 +148,8 @@ class PolicyWorker(Role):
         self.clock.start()
         rows = rows.to(self.device)
         sums = MetricSums(self.device)
-        scored: list[torch.Tensor] = []  # old log-probs from the first forward when the rollout did not score
+        # one optimizer step per batch and no old log-probs from the rollout: the first forward is the old policy
+        scored = torch.zeros_like(rows.response_mask) if rows.old_logprobs is None else None
         with self.clock.timed("update"):
             for _ in range(cfg.ppo_epochs):
                 for mini in mini_batches(rows, cfg.mini_batches):
@@ -153,13 +157,12 @@ class PolicyWorker(Role):
                     num_tokens, num_seqs = global_counts(mini.response_mask)
                     actor.optimizer.zero_grad(set_to_none=True)
                     step_loss = torch.zeros((), device=self.device)
-                    for micro in micro_batches(mini, cfg.micro_batch_size):
+                    for index, micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
                         # 2. the current policy's log-probs of the sampled tokens (and the entropy)
                         new_logprobs, entropy = self._new_logprobs(micro)
                         old_logprobs = micro.old_logprobs
-                        if old_logprobs is None:  # one optimizer step per batch: this forward is the old policy
-                            old_logprobs = new_logprobs.detach()
-                            scored.append(old_logprobs)
+                        if scored is not None:  # the only mini-batch is all the rows: index places them
+                            old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
                         # 3. the objective (pure math in rlkit.algos)
                         weights = loss_weights(
                             micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
@@ -186,7 +189,7 @@ class PolicyWorker(Role):
         self.memory.mark("weight_sync")
         metrics = {**sums.reduce(), "actor/lr": actor.lr}
         self.grads = dataclasses.replace(report, global_norm=float(norm), loss=metrics["actor/loss"])
-        old = torch.cat(scored).cpu() if scored else None
+        old = None if scored is None else scored.cpu()
         report_memory = diagnostics.memory_mb(self.device)
         return UpdateResult(metrics=metrics, old_logprobs=old, times=dict(self.clock.times), memory_mb=report_memory)
 
