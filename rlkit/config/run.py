@@ -13,6 +13,8 @@ from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.algos.losses import POLICY_LOSSES
 from rlkit.config.checks import ConfigError, need
+from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
+from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import (
     CheckpointConfig,
     CriticConfig,
@@ -130,6 +132,15 @@ class RLConfig:
     """Checkpoint settings."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """An optional reward model on the workers."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files, the prompt column and chat template, long-prompt handling (``[data]``)."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """How often and how the validation prompts (``data.val_files``) are scored (``[validation]``)."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions named by file or module, with weights (``[[rewards]]`` tables in TOML)."""
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers that get every metric, the config and sample completions: any of
+    "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rollout, str):
@@ -139,6 +150,7 @@ class RLConfig:
             kind = _NESTED.get(f.name)
             if kind is not None and isinstance(value, dict):
                 setattr(self, f.name, _from_dict(kind, value, f.name))
+        self.rewards = [_from_dict(RewardSpec, r, "rewards") if isinstance(r, dict) else r for r in self.rewards]
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -202,7 +214,8 @@ class RLConfig:
         )
         need(p, self.kl_mode in ("loss", "reward"), f'kl_mode="{self.kl_mode}": use "loss" or "reward"')
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
-        return p + nested + self.reward_model.problems()
+        nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
+        return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _algorithm_problems(self) -> list[str]:
         """Checks of the advantage estimator and its settings."""
@@ -265,6 +278,7 @@ class RLConfig:
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
         """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
         p: list[str] = self.fsdp.cluster_problems(world_size, device) + self.rollout.cluster_problems()
+        p += tracker_install_problems(self.trackers) + torch_companion_problems()
         if self.prompts_per_step % world_size:
             p.append(
                 f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "
@@ -394,5 +408,7 @@ _NESTED: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "reward_model": RewardModelConfig,
     "critic": CriticConfig,
+    "data": DataConfig,
+    "validation": ValidationConfig,
 }
 """The dataclass of each nested table, by field name (dicts given for them are converted)."""

