@@ -8,6 +8,7 @@ import ctypes.util
 import dataclasses
 import gc
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import rlkit
 from rlkit import diagnostics as dx
+from rlkit.diagnostics.estimate import phase_bytes
 from rlkit.diagnostics.memory_terms import (
     CUDA_CONTEXT_GIB,
     FRAGMENTATION,
@@ -27,7 +29,6 @@ from rlkit.diagnostics.memory_terms import (
     layer_activation_bytes,
     logits_bytes,
     logits_layout,
-    phase_bytes,
 )
 from rlkit.models.loading import load_causal_lm
 from rlkit.models.logprobs import response_logits, sampled_logprobs
@@ -65,6 +66,11 @@ def test_parameter_counts_match_transformers():
     assert ModelShape.from_config(llama).num_parameters == sum(p.numel() for p in LlamaForCausalLM(llama).parameters())
 
 
+def test_a_bad_setting_names_every_problem():
+    with pytest.raises(ValueError, match=r"sharding='zero3'.*engine='trt'"):
+        MemorySetting(device_memory_gib=80, sharding="zero3", engine="trt")
+
+
 def test_every_term_by_hand():
     shape, s = ModelShape.from_config(SMALL), small_setting()
     b = phase_bytes(shape, s)
@@ -91,8 +97,8 @@ def test_every_term_by_hand():
     # generate for 4 rows: KV cache 4*16 tokens * 2 layers * (k, v) 32 * 2 bytes; prefill 4*8 tokens of one layer;
     # one step's fp32 scores and log-softmax, 4 x 1000 each
     assert b["rollout"] == {**state, "engine": engine, "activations": 4 * 16 * 2 * 2 * 32 * 2 + 4 * 8 * 2_456,
-                            "logits": 4 * 1000 * 4 * 2}
-    assert b["optimizer_step"] == {**state, "engine": engine, "optimizer": 8 * P + 4 * P}  # foreach temporary
+                            "logits": 4 * 1000 * 4 * 2, "gathered": 0}
+    assert b["optimizer_step"] == {**state, "engine": engine, "optimizer": 8 * P + 4 * P, "gathered": 0}  # foreach
     assert b["weight_sync"] == {**state, "engine": engine, "gathered": 4 * 1000 * 64}  # the largest fp32 param
     est = dx.estimate_memory(SMALL, s)
     in_process = sum(b["update"].values()) / GiB
@@ -260,10 +266,20 @@ def test_vllm_engine_awake_in_rollout_asleep_in_update():
     lower = {f.setting: f for f in est.fixes}["rollout.gpu_memory_utilization"]
     assert lower.peak_gib <= H200_GIB
     assert dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": lower.value}).fits
+    weights = 2 * 3_085_938_688 / GiB  # the bf16 weight-sync buffers in the trainer's process, while vLLM is awake
+    asleep = dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": 0.5})
+    assert asleep.phases["rollout"]["gathered"] == pytest.approx(weights)
     awake = dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": 0.5, "engine_sleep": "never"})
     assert awake.phases["update"]["engine"] == pytest.approx(0.5 * H200_GIB)
+    assert awake.phases["update"]["gathered"] == pytest.approx(asleep.phases["update"]["gathered"] + weights)
     assert awake.allocated_gib("update") == pytest.approx(
         sum(awake.phases["update"].values()) - awake.phases["update"]["rest"] - 0.5 * H200_GIB)
+    # "auto" stays awake only if the whole step then leaves 10% of the device free (rlkit.rollout.sleep)
+    for util, stays in ((0.3, True), (0.5, False)):  # awake peaks 111.0 and 138.9 GiB against 0.9 x 139.8
+        modes = {m: dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": util, "engine_sleep": m})
+                 for m in ("auto", "never", "always")}
+        assert (modes["never"].peak_gib <= 0.9 * H200_GIB) == stays
+        assert modes["auto"].phases == modes["never" if stays else "always"].phases
 
 
 def test_preflight_lints_an_oversize_config_with_its_fix_and_passes_a_fitting_one():
@@ -283,3 +299,16 @@ def test_preflight_lints_an_oversize_config_with_its_fix_and_passes_a_fitting_on
     tiny = dx.estimate_for(rlkit.GRPOConfig(model="tiny"), world_size=2, device_memory_gib=80.0)  # its config.json
     model = load_causal_lm(TINY_MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
     assert tiny.fits and tiny.shape.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_compare_marks_reads_trainer_memory():
+    est = dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, "micro_batch_size": 4})
+    marks = pd.DataFrame({"rank": [0, 0, 0, 1], "phase": ["rollout", "forward_backward", "optimizer_step",
+                                                            "forward_backward"],
+                          "peak_mb": [50 * 1024, 60 * 1024, 58 * 1024, 80 * 1024]})
+    table = est.compare_marks(marks).set_index("phase")
+    assert list(table.index) == ["rollout", "update", "optimizer_step"]  # no scoring or sync marks here
+    update = max(est.allocated_gib("update"), est.allocated_gib("backward"))  # one mark spans both
+    assert table.loc["update", "measured_gib"] == 80  # the largest over ranks
+    assert table.loc["update", "measured/predicted"] == pytest.approx(80 / update, abs=1e-3)
+    assert table.loc["rollout", "predicted_gib"] == pytest.approx(est.allocated_gib("rollout"), abs=0.01)

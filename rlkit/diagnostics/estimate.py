@@ -19,28 +19,46 @@ benchmarks' fixed-length workload. The terms live in :mod:`rlkit.diagnostics.mem
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pandas as pd
 
 from rlkit.diagnostics.memory_terms import (
     CUDA_CONTEXT_GIB,
+    DTYPE_BYTES,
     FRAGMENTATION,
     GiB,
     MemorySetting,
     ModelShape,
-    phase_bytes,
+    activation_bytes,
+    engine_bytes,
+    gathered_bytes,
+    generate_bytes,
+    logits_bytes,
+    logits_layout,
+    shared_weights_bytes,
+    state_bytes,
+    sync_bytes,
 )
+from rlkit.rollout.sleep import AWAKE_HEADROOM
 
 TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "engine", "rest")
 """Rows of the estimate: FSDP's fp32 shards and AdamW state, saved activations, the LM head's logits and
-log-softmax chunks, FSDP units gathered in the compute dtype, the rollout engine, and the rest (the CUDA
-context and allocator fragmentation: :data:`CUDA_CONTEXT_GIB` + :data:`FRAGMENTATION` of the allocated total)."""
+log-softmax chunks, "gathered" compute-dtype weights in the trainer's process (FSDP units in flight, vLLM's
+weight-sync buffers), the rollout engine (vLLM's in its own process), and the rest (the CUDA context and
+allocator fragmentation: :data:`CUDA_CONTEXT_GIB` + :data:`FRAGMENTATION` of the allocated total)."""
 
 TOLERANCE = 0.15
 """How far a measured peak may sit from the prediction and still count as agreeing (issue 15's acceptance)."""
+
+MARK_PHASES = {"rollout": "rollout", "actor_logprobs": "scoring", "reference": "scoring",
+               "forward_backward": "update", "optimizer_step": "optimizer_step", "weight_sync": "weight_sync"}
+"""rlkit's memory marks (``trainer.memory()``'s phase column) and the estimate phase each one measures; the
+forward_backward mark spans the estimate's "update" and "backward"."""
 
 MAX_RANKS = 1024
 """The "more ranks" fix looks at world sizes doubling up to this."""
@@ -98,12 +116,19 @@ class MemoryEstimate:
         """One row: the predicted allocated peak (:meth:`allocated_gib`) beside a measured one, their ratio and
         whether they agree within :data:`TOLERANCE`. ``measured_gib``: torch.cuda.max_memory_allocated / 2**30."""
         phase = phase or self.peak_phase
-        predicted = self.allocated_gib(phase)
-        ratio = measured_gib / predicted
-        return pd.DataFrame([{
-            "phase": phase, "predicted_gib": round(predicted, 2), "measured_gib": measured_gib,
-            "measured/predicted": round(ratio, 3), f"within {TOLERANCE:.0%}": abs(ratio - 1) <= TOLERANCE,
-        }])
+        return pd.DataFrame([_agreement(phase, self.allocated_gib(phase), measured_gib)])
+
+    def compare_marks(self, marks: pd.DataFrame) -> pd.DataFrame:
+        """:meth:`compare` for each phase that rlkit's memory marks measure: ``marks`` is ``trainer.memory()``
+        (one row per rank and mark, peak_mb since the previous mark); the largest over ranks counts."""
+        rows = []
+        for phase in dict.fromkeys(MARK_PHASES.values()):
+            measured = marks.loc[marks["phase"].map(MARK_PHASES) == phase, "peak_mb"]
+            if phase in self.phases and len(measured):
+                spanned = [p for p in (phase, "backward") if p == phase or phase == "update"]
+                predicted = max(self.allocated_gib(p) for p in spanned)
+                rows.append(_agreement(phase, predicted, float(measured.max()) / 1024))
+        return pd.DataFrame(rows)
 
     def __str__(self) -> str:
         s = self.setting
@@ -116,16 +141,61 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def model_shape(model_config: ModelShape | Mapping | Any) -> ModelShape:
-    """A :class:`ModelShape` from a config.json dict, a transformers PretrainedConfig, or a ModelShape."""
-    return model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
+def phase_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, dict[str, int]]:
+    """Bytes by term (the terms of :mod:`rlkit.diagnostics.memory_terms`) for each phase the setting runs.
+    The optimizer step adds foreach AdamW's one fp32 temporary the size of the actor's shard."""
+    e, vocab = DTYPE_BYTES[s.compute_dtype], shape.vocab_size
+    state = state_bytes(shape, s)
+    awake = s.engine_sleep == "never"  # "auto" is resolved by the caller into "never" or "always"
+    engine, shared = engine_bytes(shape, s, awake=awake), shared_weights_bytes(shape, s, awake=awake)
+    forward, backward = (gathered_bytes(shape, s, e, backward=b) + shared for b in (False, True))
+    layout = logits_layout(s)
+    phases = {"rollout": {**state, "engine": engine_bytes(shape, s, awake=True), **generate_bytes(shape, s),
+                          "gathered": shared_weights_bytes(shape, s, awake=True)}}
+    if s.recompute_logprobs or s.reference or s.critic:
+        scores_logits = s.recompute_logprobs or s.reference
+        phases["scoring"] = {
+            **state, "engine": engine, "gathered": forward,
+            "activations": activation_bytes(shape, s, e, phase="scoring"),
+            "logits": logits_bytes(layout, vocab, e, grad=False) if scores_logits else 0,
+        }
+    phases["update"] = {
+        **state, "engine": engine, "gathered": forward, "activations": activation_bytes(shape, s, e, phase="update"),
+        "logits": logits_bytes(layout, vocab, e, grad=True, fp32_path=s.entropy_bonus),
+    }
+    phases["backward"] = {
+        **state, "engine": engine, "gathered": backward, "activations": activation_bytes(shape, s, e, phase="backward"),
+    }
+    step = 0 if s.cpu_offload else 4 * shape.num_parameters // s.shard_size
+    phases["optimizer_step"] = {**state, "engine": engine, "gathered": shared, "optimizer": state["optimizer"] + step}
+    phases["weight_sync"] = {**state, **sync_bytes(shape, s)}
+    return phases
 
 
-def estimate_memory(model_config: ModelShape | Mapping | Any, setting: MemorySetting | None = None,
+def _agreement(phase: str, predicted: float, measured: float) -> dict[str, Any]:
+    ratio = measured / predicted
+    return {"phase": phase, "predicted_gib": round(predicted, 2), "measured_gib": round(measured, 2),
+            "measured/predicted": round(ratio, 3), f"within {TOLERANCE:.0%}": abs(ratio - 1) <= TOLERANCE}
+
+
+def model_shape(model_config: ModelShape | Mapping | str | Path | Any) -> ModelShape:
+    """A :class:`ModelShape` from a local model directory ("tiny": the bundled model), a config.json dict,
+    a transformers PretrainedConfig, or a ModelShape."""
+    if isinstance(model_config, ModelShape):
+        return model_config
+    if isinstance(model_config, str | Path):
+        from rlkit.models.loading import resolve_model_dir
+
+        with open(resolve_model_dir(str(model_config)) / "config.json") as f:
+            model_config = json.load(f)
+    return ModelShape.from_config(model_config)
+
+
+def estimate_memory(model_config: ModelShape | Mapping | str | Path | Any, setting: MemorySetting | None = None,
                     **knobs: Any) -> MemoryEstimate:
-    """Predict each phase's per-rank device memory for ``model_config`` under ``setting`` (fields of
-    :class:`MemorySetting`; ``knobs`` override them, e.g. ``estimate_memory(cfg, world_size=2,
-    device_memory_gib=79.6, activation_checkpointing=True)``), with the fixes when the peak does not fit."""
+    """Predict each phase's per-rank device memory for ``model_config`` (see :func:`model_shape`) under
+    ``setting`` (fields of :class:`MemorySetting`; ``knobs`` override them, e.g. ``estimate_memory(cfg,
+    world_size=2, device_memory_gib=79.6, activation_checkpointing=True)``), with the fixes if it does not fit."""
     shape = model_shape(model_config)
     if setting is None:
         setting = MemorySetting(**knobs)
@@ -136,6 +206,13 @@ def estimate_memory(model_config: ModelShape | Mapping | Any, setting: MemorySet
 
 
 def _estimate(shape: ModelShape, setting: MemorySetting) -> MemoryEstimate:
+    """The phases of ``setting``; rollout.sleep="auto" keeps vLLM awake when the whole step then leaves
+    AWAKE_HEADROOM of the device free (as rlkit.rollout.sleep.SleepPolicy decides), else it sleeps."""
+    if setting.engine == "vllm" and setting.engine_sleep == "auto":
+        awake = _estimate(shape, dataclasses.replace(setting, engine_sleep="never"))
+        stays = awake.peak_gib <= (1 - AWAKE_HEADROOM) * setting.device_memory_gib
+        chosen = awake if stays else _estimate(shape, dataclasses.replace(setting, engine_sleep="always"))
+        return dataclasses.replace(chosen, setting=setting)
     phases = {}
     for phase, terms in phase_bytes(shape, setting).items():
         gib = {k: terms.get(k, 0) / GiB for k in TERMS if k != "rest"}

@@ -33,6 +33,8 @@ FP32_PATH_BYTES = 24
 """Bytes per logit at the loss on the entropy-bonus path (entropy_coef > 0: plain autograd over fp32 logits): the
 scaled copy, two log-softmax outputs, exp and product (about five fp32 copies), and gradients of as many in backward."""
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+SHARDINGS = ("full", "hybrid", "no_shard")
+SLEEPS = ("always", "auto", "never")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +157,23 @@ class MemorySetting:
     engine_sleep: str = "always"
     """[rollout.sleep] "always"/"auto": vLLM sleeps through scoring and the update ("auto" stays awake only when
     it fits beside the update); "never": it stays awake."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.device_memory_gib > 0, f"device_memory_gib={self.device_memory_gib}: must be > 0"),
+            (self.world_size >= 1, f"world_size={self.world_size}: must be >= 1"),
+            (self.sharding in SHARDINGS, f"sharding={self.sharding!r}: use one of {SHARDINGS}"),
+            ({self.compute_dtype, self.reduce_dtype} <= set(DTYPE_BYTES),
+             f"compute_dtype={self.compute_dtype!r}, reduce_dtype={self.reduce_dtype!r}: each 'bf16' or 'fp32'"),
+            (self.engine in ("hf", "vllm"), f'engine={self.engine!r}: use "hf" or "vllm"'),
+            (self.engine_sleep in SLEEPS, f"engine_sleep={self.engine_sleep!r}: use one of {SLEEPS}"),
+            (min(self.prompt_tokens, self.response_tokens, self.samples_per_step, self.mini_batches,
+                 self.micro_batch_size) >= 1, "prompt_tokens, response_tokens, samples_per_step, mini_batches and "
+             "micro_batch_size must each be >= 1"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("MemorySetting: " + "; ".join(problems))
 
     @property
     def shard_size(self) -> int:
@@ -328,42 +347,18 @@ def generate_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
     return {"activations": cache + prefill, "logits": rows * shape.vocab_size * 4 * 2}
 
 
+def shared_weights_bytes(shape: ModelShape, s: MemorySetting, *, awake: bool) -> int:
+    """vLLM's weight-sync buffers in the trainer's process (rlkit.rollout.vllm_weights.SharedWeights): one
+    compute-dtype copy of the model, kept from a sync until the engine next sleeps."""
+    return shape.num_parameters * DTYPE_BYTES[s.compute_dtype] if s.engine == "vllm" and awake else 0
+
+
 def sync_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
     """The weight sync: the actor gathered one full fp32 parameter at a time (the largest counts) and, for vLLM,
-    every parameter packed into flat compute-dtype buffers for CUDA IPC while the engine's weights are awake."""
+    the shared compute-dtype buffers the engine reads the weights from, while its weights are awake."""
     e = DTYPE_BYTES[s.compute_dtype]
     largest = 4 * max(shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size)
     if s.engine == "hf":
         return {"gathered": largest, "engine": engine_bytes(shape, s, awake=True)}
     weights = shape.num_parameters * e
     return {"gathered": largest + weights, "engine": weights + int(VLLM_ASLEEP_GIB * GiB)}
-
-
-def phase_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, dict[str, int]]:
-    """Bytes by term for each phase the setting runs (see :mod:`rlkit.diagnostics.estimate` for the phases).
-    The optimizer step adds foreach AdamW's one fp32 temporary the size of the actor's shard."""
-    e, vocab = DTYPE_BYTES[s.compute_dtype], shape.vocab_size
-    state = state_bytes(shape, s)
-    engine = engine_bytes(shape, s, awake=s.engine_sleep == "never")
-    layout = logits_layout(s)
-    phases = {"rollout": {**state, "engine": engine_bytes(shape, s, awake=True), **generate_bytes(shape, s)}}
-    if s.recompute_logprobs or s.reference or s.critic:
-        scores_logits = s.recompute_logprobs or s.reference
-        phases["scoring"] = {
-            **state, "engine": engine, "gathered": gathered_bytes(shape, s, e, backward=False),
-            "activations": activation_bytes(shape, s, e, phase="scoring"),
-            "logits": logits_bytes(layout, vocab, e, grad=False) if scores_logits else 0,
-        }
-    phases["update"] = {
-        **state, "engine": engine, "gathered": gathered_bytes(shape, s, e, backward=False),
-        "activations": activation_bytes(shape, s, e, phase="update"),
-        "logits": logits_bytes(layout, vocab, e, grad=True, fp32_path=s.entropy_bonus),
-    }
-    phases["backward"] = {
-        **state, "engine": engine, "gathered": gathered_bytes(shape, s, e, backward=True),
-        "activations": activation_bytes(shape, s, e, phase="backward"),
-    }
-    step = 0 if s.cpu_offload else 4 * shape.num_parameters // s.shard_size
-    phases["optimizer_step"] = {**state, "engine": engine, "optimizer": state["optimizer"] + step}
-    phases["weight_sync"] = {**state, **sync_bytes(shape, s)}
-    return phases

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,14 +58,6 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
     )
 
 
-def read_model_config(model: str | Path) -> dict[str, Any]:
-    """config.json of a local model directory ("tiny": the bundled model's)."""
-    from rlkit.models.loading import resolve_model_dir
-
-    with open(resolve_model_dir(str(model)) / "config.json") as f:
-        return json.load(f)
-
-
 def estimate_for(
     config: RLConfig,
     model_config: ModelShape | Mapping | str | Path | Any = None,
@@ -78,10 +69,8 @@ def estimate_for(
 
     ``model_config``: a config.json dict, a PretrainedConfig, a ModelShape or a model directory; None reads
     ``config.model``'s config.json."""
-    if model_config is None or isinstance(model_config, str | Path):
-        model_config = read_model_config(config.model if model_config is None else model_config)
     setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib)
-    return estimate_memory(model_config, setting)
+    return estimate_memory(config.model if model_config is None else model_config, setting)
 
 
 def preflight(
