@@ -49,8 +49,9 @@ ISSUE_15_RUN = dict(device_memory_gib=H200_GIB, prompt_tokens=64, response_token
 
 def small_setting(**changes) -> MemorySetting:
     """4 rows per step on 1 rank, 8-token prompts and responses, micro-batches of 2 rows: 32 tokens."""
-    return MemorySetting(device_memory_gib=80.0, prompt_tokens=8, response_tokens=8, samples_per_step=4,
-                         micro_batch_size=2, padding_mask=False, **changes)
+    base = dict(device_memory_gib=80.0, prompt_tokens=8, response_tokens=8, samples_per_step=4, micro_batch_size=2,
+                padding_mask=False)
+    return MemorySetting(**{**base, **changes})
 
 
 def test_parameter_counts_match_transformers():
@@ -104,6 +105,14 @@ def test_every_term_by_hand():
     in_process = sum(b["update"].values()) / GiB
     assert est.phases["update"]["rest"] == pytest.approx(CUDA_CONTEXT_GIB + FRAGMENTATION * in_process)
     assert est.peak_phase == "backward" and est.fits and est.fixes == []  # the gradients of the 64k-entry root
+
+
+def test_a_token_budget_counts_whole_padded_rows_unless_packed():
+    # 16-token rows, 4 rows per rank: a 40-token budget holds 2 whole padded rows (32 tokens), packed 40 tokens
+    assert small_setting(max_tokens_per_micro_batch=40).tokens_per_micro_batch == 32
+    assert small_setting(max_tokens_per_micro_batch=40, padding_free=True).tokens_per_micro_batch == 40
+    assert small_setting(max_tokens_per_micro_batch=1000, padding_free=True).tokens_per_micro_batch == 64  # 4 rows
+    assert small_setting(micro_batch_size=64).tokens_per_micro_batch == 64  # no more rows than the rank has
 
 
 def test_activation_checkpointing_keeps_layer_inputs_and_one_recompute():
@@ -235,7 +244,7 @@ def test_qwen_3b_on_one_h200_does_not_fit():
     assert not est.fits and est.peak_phase == "update"
     assert est.peak_gib == pytest.approx(147.6, abs=0.1)  # 46.0 state + 5.8 engine + 76.2 act + 10.8 logits + ...
     assert est.allocated_gib() == pytest.approx(139.6, abs=0.1)  # above the 128.8 GiB the OOM reported
-    assert [f.setting for f in est.fixes] == ["fsdp.activation_checkpointing", "max_tokens_per_micro_batch",
+    assert [f.setting for f in est.fixes] == ["fsdp.activation_checkpointing", "micro_batch_size",
                                               "fsdp.cpu_offload", "world_size", "rollout.engine"]
     assert str(est.fixes[0]).startswith("turn on fsdp.activation_checkpointing (peak 147.6 -> 70.3 GiB, fits)")
     row = est.compare(128.8).iloc[0]
@@ -251,9 +260,13 @@ def test_each_fix_is_the_estimate_with_that_change():
     for name, knob in knobs.items():
         again = dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, knob: fixes[name].value})
         assert again.peak_gib == pytest.approx(fixes[name].peak_gib)
-    budget = fixes["max_tokens_per_micro_batch"].value  # the largest budget that fits
-    assert dx.estimate_memory(QWEN_3B, **ISSUE_15_RUN, max_tokens_per_micro_batch=budget).fits
-    assert not dx.estimate_memory(QWEN_3B, **ISSUE_15_RUN, max_tokens_per_micro_batch=budget + 1).fits
+    rows = fixes["micro_batch_size"].value  # padded: the most rows that fit
+    assert rows == 14 and dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, "micro_batch_size": rows}).fits
+    assert not dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, "micro_batch_size": rows + 1}).fits
+    packed = {**ISSUE_15_RUN, "padding_free": True}  # packed: a token budget bounds the micro-batch
+    budget = {f.setting: f for f in dx.estimate_memory(QWEN_3B, **packed).fixes}["max_tokens_per_micro_batch"].value
+    assert dx.estimate_memory(QWEN_3B, **packed, max_tokens_per_micro_batch=budget).fits
+    assert not dx.estimate_memory(QWEN_3B, **packed, max_tokens_per_micro_batch=budget + 1).fits
     assert fixes["world_size"].value == 2 and "more ranks: 2 ranks" in str(fixes["world_size"])
 
 
@@ -292,7 +305,7 @@ def test_preflight_lints_an_oversize_config_with_its_fix_and_passes_a_fitting_on
     assert finding.severity == "error" and finding.ranks == (0,)
     assert "in the update phase" in finding.message and "17,408 tokens per micro-batch" in finding.evidence
     assert finding.fix.startswith("turn on fsdp.activation_checkpointing (peak ")
-    assert "max_tokens_per_micro_batch <= " in finding.fix
+    assert "micro_batch_size <= 13 rows of 1088 tokens" in finding.fix  # padded (the padding mask costs a row)
     small = dataclasses.replace(big, micro_batch_size=2)
     assert len(dx.preflight(small, QWEN_3B, world_size=1, device_memory_gib=H200_GIB)) == 0
     assert len(dx.preflight(big, QWEN_3B, world_size=4, device_memory_gib=H200_GIB)) == 0  # state / 4 fits

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -235,7 +235,7 @@ def fixes_for(est: MemoryEstimate) -> list[Fix]:
     """The changes that lower ``est``'s peak, in order of cost: activation checkpointing (about a third more
     update compute), a token budget per micro-batch (more, smaller micro-batches), CPU offload (a slower update),
     more ranks (more hardware), then the rollout engine's memory (when it is what peaks or stays resident)."""
-    found = [_checkpointing(est), _token_budget(est), _offload(est), _more_ranks(est), *_engine_fixes(est)]
+    found = [_checkpointing(est), _micro_batch(est), _offload(est), _more_ranks(est), *_engine_fixes(est)]
     return [f for f in found if f is not None and f.peak_gib < est.peak_gib]
 
 
@@ -247,21 +247,37 @@ def _checkpointing(est: MemoryEstimate) -> Fix | None:
                f"turn on fsdp.activation_checkpointing ({_verdict(peak, est)})")
 
 
-def _token_budget(est: MemoryEstimate) -> Fix | None:
-    """The largest ``max_tokens_per_micro_batch`` (at least one whole sequence) whose peak fits, by bisection."""
-    s = est.setting
-    seq = s.prompt_tokens + s.response_tokens
-    low, high = seq, s.tokens_per_micro_batch - 1
-    if high < low or _with(est, max_tokens_per_micro_batch=low).peak_gib > s.device_memory_gib:
+def _largest(low: int, high: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest n in [low, high] with fits(n), for fits true up to some n and false above; None if none."""
+    if high < low or not fits(low):
         return None
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if _with(est, max_tokens_per_micro_batch=mid).peak_gib <= s.device_memory_gib \
-            else (low, mid - 1)
-    peak = _with(est, max_tokens_per_micro_batch=low).peak_gib
-    return Fix("max_tokens_per_micro_batch", low, peak,
-               f"max_tokens_per_micro_batch <= {low:,} (padded: micro_batch_size <= {low // seq} rows of {seq} "
-               f"tokens; {_verdict(peak, est)})")
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _micro_batch(est: MemoryEstimate) -> Fix | None:
+    """Smaller micro-batches: packed, the largest ``max_tokens_per_micro_batch`` that fits; padded, the largest
+    ``micro_batch_size`` (a token budget counts real tokens, which does not bound a padded micro-batch)."""
+    s = est.setting
+    seq, device = s.sequence_tokens, s.device_memory_gib
+    if s.padding_free:
+        budget = _largest(seq, s.tokens_per_micro_batch - 1,
+                          lambda n: _with(est, max_tokens_per_micro_batch=n).peak_gib <= device)
+        if budget is None:
+            return None
+        peak = _with(est, max_tokens_per_micro_batch=budget).peak_gib
+        return Fix("max_tokens_per_micro_batch", budget, peak,
+                   f"max_tokens_per_micro_batch <= {budget:,} ({_verdict(peak, est)})")
+    rows = _largest(1, s.tokens_per_micro_batch // seq - 1,
+                    lambda n: _with(est, micro_batch_size=n, max_tokens_per_micro_batch=0).peak_gib <= device)
+    if rows is None:
+        return None
+    peak = _with(est, micro_batch_size=rows, max_tokens_per_micro_batch=0).peak_gib
+    return Fix("micro_batch_size", rows, peak,
+               f"micro_batch_size <= {rows} rows of {seq} tokens, with max_tokens_per_micro_batch=0 "
+               f"({_verdict(peak, est)}; with padding_free, max_tokens_per_micro_batch <= {rows * seq:,})")
 
 
 def _offload(est: MemoryEstimate) -> Fix | None:

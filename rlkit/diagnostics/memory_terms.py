@@ -137,7 +137,8 @@ class MemorySetting:
     micro_batch_size: int = 64
     """Rows per forward/backward (capped by a rank's rows per mini-batch)."""
     max_tokens_per_micro_batch: int = 0
-    """Token budget per micro-batch; 0 counts rows (micro_batch_size)."""
+    """Real tokens per micro-batch; 0 counts rows (micro_batch_size). It bounds memory only when packed: a
+    padded micro-batch is as wide as the batch, and short rows let more of them in."""
     padding_free: bool = False
     """Packed rows: no padding mask, the LM head on response tokens only."""
     padding_mask: bool = True
@@ -154,7 +155,7 @@ class MemorySetting:
     """[rollout.engine] "hf" (a whole compute-dtype copy in the trainer's process) or "vllm" (its own process)."""
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 0.0
-    engine_sleep: str = "always"
+    engine_sleep: str = "auto"
     """[rollout.sleep] "always"/"auto": vLLM sleeps through scoring and the update ("auto" stays awake only when
     it fits beside the update); "never": it stays awake."""
 
@@ -187,13 +188,15 @@ class MemorySetting:
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        """Tokens of one forward/backward: rows x (prompt + response), or the token budget (at least one row),
-        never more than the rank's rows of one mini-batch."""
+        """Tokens of one forward/backward, never more than the rank's rows of one mini-batch: rows x (prompt +
+        response); with a token budget, the budget (packed) or the whole rows it holds at maximum lengths
+        (padded: the budget counts real tokens, so rows shorter than the maximum pack more padded rows in)."""
         rows = max(1, self.samples_per_step // self.world_size // self.mini_batches)
-        seq = self.sequence_tokens
-        if self.max_tokens_per_micro_batch > 0:
-            return min(max(self.max_tokens_per_micro_batch, seq), rows * seq)
-        return min(self.micro_batch_size, rows) * seq
+        seq, budget = self.sequence_tokens, self.max_tokens_per_micro_batch
+        if budget > 0 and self.padding_free:
+            return min(max(budget, seq), rows * seq)
+        per_micro = max(1, budget // seq) if budget > 0 else self.micro_batch_size
+        return min(per_micro, rows) * seq
 
     @property
     def sequences_per_micro_batch(self) -> float:

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: float) -> MemorySetting:
     """The estimate's knobs from a GRPOConfig / PPOConfig on a GPU cluster (param_dtype "auto" is bf16 there).
 
-    Settings other engineers are adding (padding_free, max_tokens_per_micro_batch, attn_implementation,
-    fsdp.activation_checkpointing, rollout.sleep) are read with their defaults until they exist.
+    Settings being added (padding_free, attn_implementation, fsdp.activation_checkpointing) are read with
+    their defaults until they exist.
     """
     fsdp, rollout = config.fsdp, config.rollout
     padding_free = bool(getattr(config, "padding_free", False))
@@ -44,7 +44,7 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         samples_per_step=config.samples_per_step,
         mini_batches=config.mini_batches,
         micro_batch_size=config.micro_batch_size,
-        max_tokens_per_micro_batch=int(getattr(config, "max_tokens_per_micro_batch", 0)),
+        max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
         padding_free=padding_free,
         padding_mask=not padding_free and attention == "sdpa",  # prompts of different lengths: left padding
         reference=config.kl_coef > 0,
@@ -54,7 +54,7 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         engine=rollout.engine,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         kv_cache_gib=rollout.kv_cache_gb,
-        engine_sleep=getattr(rollout, "sleep", "always"),
+        engine_sleep=rollout.sleep,
     )
 
 
