@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from rlkit import diagnostics
 from rlkit.config import ENGINES, ConfigError, GRPOConfig, config_from_toml
 from rlkit.data import load_run_data
+from rlkit.diagnostics import visible_gpu_memory_gib
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.trainer.metrics import PHASES
 
@@ -49,6 +51,12 @@ def train(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(data.summary(), flush=True)
+    gpu_gib = visible_gpu_memory_gib() if args.device != "cpu" else None
+    if gpu_gib is not None:  # GPUs: will it fit? (the estimate, before anything loads)
+        findings = diagnostics.preflight(config, resolve_model_dir(config.model), world_size=args.world_size,
+                                         device_memory_gib=gpu_gib)  # fmt: skip
+        if findings.items:
+            print(f"warning: {findings}", file=sys.stderr, flush=True)
     print(
         f"rlkit: {config.algorithm.upper()} on model={config.model!r}, {args.world_size} worker(s), "
         f"{config.steps} steps",

@@ -24,7 +24,14 @@ from rlkit.diagnostics.estimate import Fix, MemoryEstimate, estimate_memory
 from rlkit.diagnostics.grads import GradNorms, GradReport, grad_norms, grad_report
 from rlkit.diagnostics.inspection import RankReport, inspect
 from rlkit.diagnostics.lint import Finding, Findings, lint
-from rlkit.diagnostics.memory import MemoryMark, MemoryTracker, memory_mb, memory_table
+from rlkit.diagnostics.memory import (
+    MemoryMark,
+    MemoryTracker,
+    device_memory_gib,
+    memory_mb,
+    memory_table,
+    visible_gpu_memory_gib,
+)
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
 from rlkit.diagnostics.preflight import estimate_for, memory_setting, preflight
 from rlkit.diagnostics.scaling import memory_scaling
@@ -50,7 +57,9 @@ __all__ = [
     "grad_report",
     "inspect",
     "lint",
+    "device_memory_gib",
     "memory_mb",
+    "visible_gpu_memory_gib",
     "memory_scaling",
     "memory_setting",
     "memory_table",

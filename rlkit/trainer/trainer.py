@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from rlkit import diagnostics
 from rlkit.algos import AdvantageFn, PolicyLossFn, overlong_penalty
 from rlkit.config import PPOConfig, RLConfig, config_from_dict
 from rlkit.data import load_run_data
@@ -85,6 +86,9 @@ class Trainer(PolicyTrainerBase):
         self._prompts, self._val, self._rewards = run.train, run.val, run.rewards
         self._advantage_fn = advantage_fn
         self.last_batch: Batch | None = None
+        findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
+        if findings.items:
+            logger.warning("%s", findings)
         self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn)
         self._critic: RoleGroup[CriticWorker] | None = None
         if isinstance(config, PPOConfig):
@@ -291,6 +295,22 @@ class Trainer(PolicyTrainerBase):
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
+
+    # -- diagnostics ------------------------------------------------------------------------------
+
+    def lint(self) -> diagnostics.Findings:
+        """FSDP lint over every rank's actor, optimizer, reference and rollout engine, and the memory estimate's
+        verdict on these devices (GPU clusters: "memory-will-not-fit" with the fixes)."""
+        return diagnostics.Findings(super().lint().items + self._memory_findings().items)
+
+    def _memory_findings(self) -> diagnostics.Findings:
+        """The preflight memory estimate's findings for this config on this cluster's GPUs (none on CPU)."""
+        if self.cluster.device != "cuda":
+            return diagnostics.Findings([])
+        gib = min(self.cluster.run(diagnostics.device_memory_gib))
+        return diagnostics.preflight(
+            self.config, self.model_dir, world_size=self.cluster.world_size, device_memory_gib=gib
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
 
