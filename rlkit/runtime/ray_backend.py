@@ -33,7 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlkit.runtime import transport
-from rlkit.runtime.errors import RankFailure, RemoteError, WorkerDied
+from rlkit.runtime.errors import RankFailure, RemoteError, WorkerDied, decode_reply
 from rlkit.runtime.local import choose_device
 from rlkit.runtime.logs import OutputForwarder, tail
 from rlkit.runtime.ray_actor import Mailbox, RayWorker
@@ -111,9 +111,7 @@ class RayBackend:
             [a.join.remote(c) for a, c in zip(self._actors, configs, strict=True)], deadline, "join the process group"
         )
         failures = [
-            RankFailure(r, self._infos[r]["host"], "-", e["type"], e["message"], e["traceback"])
-            for r, (ok, e) in enumerate(replies)
-            if not ok
+            RankFailure.from_info(r, self._infos[r]["host"], "-", e) for r, (ok, e) in enumerate(replies) if not ok
         ]
         if failures:
             raise RemoteError(failures, note="(while starting the workers)")
@@ -211,20 +209,9 @@ class RayBackend:
         return rank, self._call_id, ok, self._decode(rank, ok, reply)
 
     def _decode(self, rank: int, ok: bool, reply: Any) -> Any:
-        host, device = self._infos[rank]["host"], self._devices[rank]
-        if not ok:
-            return RankFailure(rank, host, device, reply["type"], reply["message"], reply["traceback"])
-        try:
-            return transport.loads(*reply)
-        except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
-            return RankFailure(
-                rank,
-                host,
-                device,
-                type(exc).__name__,
-                f"its result cannot be loaded in the controller: {exc}",
-                traceback.format_exc(),
-            )
+        return decode_reply(
+            rank, self._infos[rank]["host"], self._devices[rank], ok, reply, lambda packed: transport.loads(*packed)
+        )
 
     def _collect(self) -> None:
         """Heartbeats, output lines and stacks from the mailbox."""
