@@ -50,7 +50,7 @@ class WorkerCore:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._main_ident = threading.main_thread().ident
+        self._main_ident: int = threading.get_ident()  # built on the main thread
         self._running: int | None = None  # id of the call running on the main thread
         self._cancel: int | None = None  # id of the call the controller wants cancelled
         self.context: WorkerContext | None = None  # set by join
@@ -155,7 +155,7 @@ class WorkerCore:
             name = names.get(ident, f"0x{ident:x}")
             if name.startswith("rlkit-"):
                 continue
-            entries = traceback.extract_stack(frame)
+            entries = list(traceback.extract_stack(frame))
             calls = [i for i, e in enumerate(entries) if e.filename == __file__ and e.name == "run_call"]
             what = ""
             if ident == self._main_ident and calls:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 
@@ -67,6 +67,7 @@ def start(workers: list[Worker], listener: ControlListener, *, world_size: int, 
     for rank in range(world_size):
         worker = _spawn(rank, world_size, listener.address, interface, env, log_dir)
         workers.append(worker)
+        assert worker.proc.stdout is not None and worker.proc.stdin is not None  # both are pipes
         output.attach(rank, worker.proc.stdout, worker.log_path)
         send_authkey(worker.proc.stdin, listener.authkey)
     deadline = time.monotonic() + timeout
@@ -77,6 +78,7 @@ def start(workers: list[Worker], listener: ControlListener, *, world_size: int, 
               "init_method": f"file://{private_dir / 'rendezvous'}"}
     for worker in workers:
         try:
+            assert worker.conn is not None  # every rank said hello
             worker.conn.send(("init", config))
         except OSError:  # it died; _await_ready reports it
             worker.disconnected = True
@@ -193,8 +195,9 @@ def receive(workers: list[Worker], timeout: float) -> list[tuple[Worker, tuple]]
     disconnected, and every other message is returned with its worker."""
     by_conn = {w.conn: w for w in workers
                if w.conn is not None and not w.conn.closed and not w.disconnected}
-    messages = []
-    for conn in wait(list(by_conn), timeout):
+    messages: list[tuple[Worker, tuple]] = []
+    for ready in wait(list(by_conn), timeout):
+        conn = cast(Connection, ready)
         worker = by_conn[conn]
         try:
             while conn.poll():

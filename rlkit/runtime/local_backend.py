@@ -66,10 +66,7 @@ class LocalBackend:
         self._loaded.clear()
         for worker, payload in zip(self._workers, payloads, strict=True):
             worker.busy = True
-            try:
-                worker.conn.send(("call", call_id, payload))
-            except OSError:
-                worker.disconnected = True
+            self._send(worker, ("call", call_id, payload))
 
     def poll(self, timeout: float) -> list[Outcome]:
         """Wait up to ``timeout`` s; the calls that finished, as ``(rank, call_id, ok, value)``."""

@@ -65,7 +65,8 @@ class RayBackend:
         self._actors: list[Any] = []
         self._infos: list[dict[str, Any]] = []
         self._devices = ["-"] * world_size
-        self._pg = self._mailbox = None
+        self._pg: Any = None
+        self._mailbox: Any = None
         self._call_id = -1
         self._pending: dict[int, Any] = {}  # rank -> ObjectRef of its running call
         self._refs: list[Any] = []  # the running call's arguments in the object store
