@@ -56,23 +56,29 @@ def all_reduce() -> float:
 
 
 @pytest.fixture(scope="module")
-def launched():
-    """A 2-rank CPU cluster, and the sockets this (controller) process listened on before it started."""
-    before = listening([os.getpid()])
-    with launch(2, device="cpu") as cluster:
-        yield cluster, before
+def _holder():
+    """Keeps one cluster for the module; tests that replace it get a new one from ``cluster``."""
+    holder: dict = {}
+    yield holder
+    if "cluster" in holder:
+        holder["cluster"].shutdown()
 
 
 @pytest.fixture
-def cluster(launched):
-    return launched[0]
+def cluster(_holder):
+    """A 2-rank CPU cluster; ``_holder["before"]``: the sockets this (controller) process listened on
+    before it started."""
+    if "cluster" not in _holder or _holder["cluster"].closed:
+        _holder["before"] = listening([os.getpid()])
+        _holder["cluster"] = launch(2, device="cpu")
+    return _holder["cluster"]
 
 
 # -- loopback only -----------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_no_socket_of_controller_or_workers_listens_beyond_loopback(launched):
-    cluster, before = launched
+def test_no_socket_of_controller_or_workers_listens_beyond_loopback(cluster, _holder):
+    before = _holder["before"]
     assert cluster.run(all_reduce) == [3.0, 3.0]  # the process group's sockets are up
     workers = _pids(cluster)
     sockets = listening(workers) | {s for s in listening([os.getpid()]) - before if s[0] == os.getpid()}
@@ -182,6 +188,22 @@ def test_junk_sent_to_the_workers_gloo_sockets_leaves_the_cluster_working(cluste
                 sock.sendall(junk)
     assert cluster.run(all_reduce) == [3.0, 3.0]
     assert cluster.status()["alive"].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: pip install 'rlkit[vllm]'")
+@pytest.mark.timeout(600)
+def test_nccl_and_vllm_on_gpus_listen_on_loopback_only():
+    config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=4, group_size=2,
+                              rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=4))
+    with launch(2, device="cuda") as cluster:
+        rlkit.Trainer(cluster, config).step()
+        workers = _pids(cluster)
+        sockets = listening(workers)
+        assert all(any(s[0] == pid for s in sockets) for pid in workers)
+        assert any(s[1].startswith("VLLM::") for s in sockets)
+        assert beyond_loopback(sockets) == set()
 
 
 # -- relaunching leaves nothing behind ---------------------------------------------------------

@@ -102,19 +102,19 @@ class WorkerCore:
         try:
             fn, args, kwargs = load()
         except Exception as exc:  # noqa: BLE001 - reported to the controller
-            return False, error_info(exc, "the call cannot be loaded on the worker: ")
+            return False, self._failure(exc, "the call cannot be loaded on the worker: ")
         ok, result = self.run_call(call_id, fn, args, kwargs)
         if not ok:
             return False, result
         try:
             return True, dump(result)
         except Exception as exc:  # noqa: BLE001 - reported to the controller
-            return False, error_info(exc, "the function returned, but its result cannot be sent back: ")
+            return False, self._failure(exc, "the function returned, but its result cannot be sent back: ")
 
     def run_call(self, call_id: int, fn: Callable[..., Any], args: tuple,
                  kwargs: dict[str, Any]) -> tuple[bool, Any]:
-        """Run ``fn`` on this (main) thread: ``(True, result)`` or ``(False, error_info(...))``;
-        an allocation failure's error info carries this rank's memory report."""
+        """Run ``fn`` on this (main) thread: ``(True, result)`` or ``(False, error info)``; an
+        allocation failure's error info carries this rank's memory report ("memory")."""
         try:
             self._running = call_id
             try:
@@ -128,11 +128,15 @@ class WorkerCore:
             return False, {"type": CANCELLED, "message": "cancelled by the controller",
                            "traceback": ""}
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to the controller
-            info = error_info(exc)
-            if memory.is_out_of_memory(exc) and self.context is not None:
-                # Taken while the failed call's frames (and their tensors) are still alive.
-                info["memory"] = memory.report(self.context.device, self.context.memory_reports)
-            return False, info
+            return False, self._failure(exc)
+
+    def _failure(self, exc: BaseException, prefix: str = "") -> dict[str, str]:
+        """``error_info``, with this rank's memory report if ``exc`` is an allocation failure
+        (taken now, while the failed call's frames and their tensors are still alive)."""
+        info = error_info(exc, prefix)
+        if memory.is_out_of_memory(exc) and self.context is not None:
+            info["memory"] = memory.report(self.context.device, self.context.memory_reports)
+        return info
 
     def cancel(self, call_id: int) -> None:
         """Cancel call ``call_id`` (from any thread): raise ``CallCancelled`` in it if it is
@@ -172,8 +176,7 @@ def rss_mb() -> float:
 
 def error_info(exc: BaseException, prefix: str = "") -> dict[str, str]:
     """Text of an exception ("type", "message", "traceback"), without the innermost rlkit frame
-    that called user code. ``run_call`` adds "memory" (the memory report) to an allocation
-    failure's."""
+    that called user code."""
     tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
     cls = type(exc)
     name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
