@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 CANCEL_SIGNAL = signal.SIGUSR2
 CANCELLED = "rlkit.CallCancelled"  # the "type" of a cancelled call's error info
+LoadedCall = tuple[Callable[..., Any], tuple, dict[str, Any]]  # (fn, args, kwargs)
 
 
 class CallCancelled(BaseException):
@@ -85,8 +86,7 @@ class WorkerCore:
         set_context(self.context)
         return self.context
 
-    def execute(self, call_id: int, load: Callable[[], tuple[Callable[..., Any], tuple, dict[str, Any]]],
-                dump: Callable[[Any], Any]) -> tuple[bool, Any]:
+    def execute(self, call_id: int, load: Callable[[], LoadedCall], dump: Callable[[Any], Any]) -> tuple[bool, Any]:
         """One call as both backends run it: ``load()`` gives ``(fn, args, kwargs)``, ``fn`` runs on
         this (main) thread, ``dump(result)`` packs its result for the controller. Returns
         ``(True, packed)`` or ``(False, error info)``, after marking the end of the call's output
@@ -97,13 +97,12 @@ class WorkerCore:
         os.write(1, f"{DONE_MARKER}{call_id}\n".encode())
         return ok, reply
 
-    def _execute(self, call_id: int, load: Callable[[], tuple[Callable[..., Any], tuple, dict[str, Any]]],
-                 dump: Callable[[Any], Any]) -> tuple[bool, Any]:
+    def _execute(self, call_id: int, load: Callable[[], LoadedCall], dump: Callable[[Any], Any]) -> tuple[bool, Any]:
         try:
             fn, args, kwargs = load()
         except Exception as exc:  # noqa: BLE001 - reported to the controller
             return False, self._failure(exc, "the call cannot be loaded on the worker: ")
-        ok, result = self.run_call(call_id, fn, args, kwargs)
+        ok, result = self._run_call(call_id, fn, args, kwargs)
         if not ok:
             return False, result
         try:
@@ -111,7 +110,7 @@ class WorkerCore:
         except Exception as exc:  # noqa: BLE001 - reported to the controller
             return False, self._failure(exc, "the function returned, but its result cannot be sent back: ")
 
-    def run_call(self, call_id: int, fn: Callable[..., Any], args: tuple,
+    def _run_call(self, call_id: int, fn: Callable[..., Any], args: tuple,
                  kwargs: dict[str, Any]) -> tuple[bool, Any]:
         """Run ``fn`` on this (main) thread: ``(True, result)`` or ``(False, error info)``; an
         allocation failure's error info carries this rank's memory report ("memory")."""
@@ -160,7 +159,7 @@ class WorkerCore:
             if name.startswith("rlkit-"):
                 continue
             entries = list(traceback.extract_stack(frame))
-            calls = [i for i, e in enumerate(entries) if e.filename == __file__ and e.name == "run_call"]
+            calls = [i for i, e in enumerate(entries) if e.filename == __file__ and e.name == "_run_call"]
             what = ""
             if ident == self._main_ident and calls:
                 what, entries = " (running the call)", entries[calls[-1] + 1:]
