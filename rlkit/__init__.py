@@ -9,6 +9,7 @@ from rlkit.config import (
     CheckpointConfig,
     ConfigError,
     CriticConfig,
+    DataConfig,
     DPOConfig,
     FSDPConfig,
     GRPOConfig,
@@ -16,7 +17,9 @@ from rlkit.config import (
     OptimConfig,
     PPOConfig,
     RewardModelConfig,
+    RewardSpec,
     RolloutConfig,
+    ValidationConfig,
 )
 from rlkit.runtime import launch
 from rlkit.trainer import Trainer
@@ -28,13 +31,16 @@ __all__ = [
     "ConfigError",
     "CriticConfig",
     "DPOConfig",
+    "DataConfig",
     "FSDPConfig",
     "GRPOConfig",
     "KTOConfig",
     "OptimConfig",
     "PPOConfig",
     "RewardModelConfig",
+    "RewardSpec",
     "RolloutConfig",
     "Trainer",
+    "ValidationConfig",
     "launch",
 ]

@@ -23,7 +23,10 @@ ROWS = [{"prompt": f"{i}+1=", "answer": str(i + 1), "level": i % 3} for i in ran
 
 @pytest.fixture(scope="module")
 def plain_tokenizer():
-    return load_tokenizer(resolve_model_dir("tiny"))
+    """The tiny tokenizer without its chat template (as many base models' tokenizers come)."""
+    tok = load_tokenizer(resolve_model_dir("tiny"))
+    tok.chat_template = None
+    return tok
 
 
 @pytest.fixture(scope="module")

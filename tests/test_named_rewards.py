@@ -117,6 +117,7 @@ def test_list_of_same_named_functions_keeps_both_terms():
 def test_run_data_reports_all_acceptance_problems_together(tmp_path, reward_dir):
     """Missing file, missing column, bad reward path, wrong signature, too long, no chat template: one error."""
     tok = load_tokenizer(resolve_model_dir("tiny"))
+    tok.chat_template = None  # a base model's tokenizer without one
     rows = "".join(f'{{"prompt": "{"1+1=" * n}", "answer": "2"}}\n' for n in (1, 40))
     (tmp_path / "train.jsonl").write_text(rows)
     (tmp_path / "val.jsonl").write_text('{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}\n')
@@ -165,13 +166,12 @@ def test_tiny_without_data_is_the_bundled_task_and_a_real_model_needs_data():
 
 
 def test_shipped_config_and_dataset_load(monkeypatch):
-    """configs/your_run.toml: its dataset and reward file load (with a chat template on the tiny tokenizer)."""
+    """configs/your_run.toml: its dataset and reward file load (the tiny tokenizer's chat template renders them)."""
     from rlkit.config import config_from_toml
 
     root = Path(__file__).resolve().parents[1]
     config = config_from_toml(root / "configs" / "your_run.toml")
     tok = load_tokenizer(resolve_model_dir("tiny"))
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     monkeypatch.chdir("/")
     run = load_run_data(config, tok, base_dir=root / "configs")
     assert (run.reports[0].kept, run.reports[1].kept) == (256, 64)

@@ -68,17 +68,15 @@ def test_reward_error_names_function_and_sample_and_keeps_batch(cluster):
 
 
 @pytest.mark.timeout(120)
-def test_too_long_prompt_is_rejected_without_consuming_prompts(cluster):
-    prompts = ["1+1=", "2+2=" * 40]
-    trainer = rlkit.Trainer(
-        cluster,
-        rlkit.GRPOConfig(**{**TINY, "prompts_per_step": 2}),
-        prompts=[{"prompt": p, "answer": "2"} for p in prompts],
-        reward_fn=lambda prompts, completions, answer: [1.0] * len(prompts),
-    )
-    with pytest.raises(ValueError, match=r"longer than rollout.max_prompt_tokens=64"):
-        trainer.rollout()
-    assert trainer._prompts.state_dict()["served"] == 0
+def test_too_long_prompt_is_rejected_before_any_model_loads_or_dropped_on_request(cluster):
+    prompts = [{"prompt": p, "answer": "2"} for p in ["1+1=", "2+2=" * 40]]
+    reward = {"one": lambda prompts, completions, answer: [1.0] * len(prompts)}
+    config = rlkit.GRPOConfig(**{**TINY, "prompts_per_step": 2})
+    with pytest.raises(rlkit.ConfigError, match=r"1 of 2 prompts are longer than rollout.max_prompt_tokens=64"):
+        rlkit.Trainer(cluster, config, prompts=prompts, reward_fn=reward)
+    dropping = rlkit.GRPOConfig(**{**TINY, "prompts_per_step": 2}, data=rlkit.config.DataConfig(long_prompts="drop"))
+    batch = rlkit.Trainer(cluster, dropping, prompts=prompts, reward_fn=reward).rollout()
+    assert set(batch.prompts) == {"1+1="}, "the long prompt was served"
 
 
 @pytest.mark.timeout(240)

@@ -12,6 +12,7 @@ checkpoint settings.
 
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
+from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig
 from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
 from rlkit.config.readers import config_from_dict, config_from_toml
 from rlkit.config.run import RLConfig
@@ -29,6 +30,7 @@ from rlkit.config.sections import (
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
+    "DataConfig",
     "CriticConfig",
     "DPOConfig",
     "ENGINES",
@@ -39,9 +41,11 @@ __all__ = [
     "PPOConfig",
     "PreferenceConfig",
     "RLConfig",
+    "RewardSpec",
     "RewardModelConfig",
     "RolloutConfig",
     "SHARDING",
+    "ValidationConfig",
     "config_from_dict",
     "config_from_toml",
 ]

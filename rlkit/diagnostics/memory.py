@@ -114,6 +114,32 @@ class MemoryTracker:
 
     def mark(self, phase: str) -> MemoryMark:
         """Record memory now, at the end of ``phase``."""
+        mark = self.reading(phase)
+        self.marks.append(mark)
+        self._reset_peak()
+        return mark
+
+    def memory_mb(self) -> dict[str, float]:
+        """:func:`memory_mb` now, with ``peak`` the highest allocated since :meth:`reset` (the step's true peak;
+        each mark resets the device's own peak counter, so the counter alone covers only the last phase)."""
+        out = memory_mb(self.device)
+        if "peak" in out:
+            out["peak"] = max([out["peak"], *(m.peak_mb for m in self.marks)])
+        return out
+
+    def breakdown_mb(self) -> dict[str, float]:
+        """What holds this rank's memory now, in MiB (reads sizes, allocates nothing): an out-of-memory report."""
+        mark = self.reading("now")
+        return {
+            "parameters MiB": mark.parameters_mb,
+            "gradients MiB": mark.gradients_mb,
+            "optimizer state MiB": mark.optimizer_mb,
+            "rollout engine MiB": mark.engine_mb,
+            "activations and the rest MiB": mark.other_mb,
+        }
+
+    def reading(self, phase: str) -> MemoryMark:
+        """Memory now, as a mark of ``phase`` that is not kept (its index is the next mark's)."""
         params = [p for m in self.models for p in m.parameters()]
         parameters = storage_bytes(params, self.device)
         gradients = storage_bytes((p.grad for p in params), self.device)
@@ -125,7 +151,7 @@ class MemoryTracker:
         reading = memory_mb(self.device)
         total = reading.get("allocated", reading["rss"])
         accounted = (parameters + gradients + optimizer + engine) / MiB
-        mark = MemoryMark(
+        return MemoryMark(
             index=len(self.marks),
             phase=phase,
             rss_mb=reading["rss"],
@@ -138,9 +164,6 @@ class MemoryTracker:
             engine_mb=engine / MiB,
             other_mb=total - accounted,
         )
-        self.marks.append(mark)
-        self._reset_peak()
-        return mark
 
     def _reset_peak(self) -> None:
         if self.device.type == "cuda":

@@ -203,7 +203,7 @@ class Cluster:
         self._backend.output.flush()
         if self._closed:
             raise ClusterBroken(f"the cluster was shut down during the call: {RELAUNCH_HINT}")
-        dead = self._backend.find_dead("a call")
+        dead = self._backend.find_dead(f"the call {call.name}")
         if dead is not None:
             self._break(f"rank {dead.rank} died")
             raise dead

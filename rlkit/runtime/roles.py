@@ -63,7 +63,7 @@ class RoleGroup(Generic[R]):
         owner = method.__qualname__.rsplit(".", 1)[0]
         if not any(owner == cls.__qualname__ for cls in self.role.__mro__):
             raise TypeError(f"{method.__qualname__} is not a method of {self.role.__qualname__}")
-        return self.cluster.run(_invoke, self.key, method, *args, **kwargs)
+        return self.cluster.run(MethodCall(self.key, method), *args, **kwargs)
 
 
 def local_instance(role: type[R]) -> R:
@@ -91,9 +91,22 @@ def _build(key: str, role: type[Role], args: tuple, kwargs: dict[str, Any]) -> A
     return instance.setup_report()
 
 
-def _invoke(key: str, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """On a worker: the method on this rank's instance of the role."""
-    instance = context().state.get(key)
-    if instance is None:
-        raise RuntimeError(f"no {key} on this rank: build it with RoleGroup(cluster, ...) first")
-    return method(instance, *args, **kwargs)
+class MethodCall:
+    """What :meth:`RoleGroup.call` sends: on a worker, ``method`` on this rank's instance under ``key``.
+
+    It carries the method's module and qualified name, so the cluster names the call after the
+    role's method (``rlkit.workers.policy.PolicyWorker.update``) in hangs, deaths and out-of-memory
+    reports: that is the phase that failed.
+    """
+
+    def __init__(self, key: str, method: Callable[..., Any]):
+        self.key = key
+        self.method = method
+        self.__module__ = method.__module__
+        self.__qualname__ = method.__qualname__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        instance = context().state.get(self.key)
+        if instance is None:
+            raise RuntimeError(f"no {self.key} on this rank: build it with RoleGroup(cluster, ...) first")
+        return self.method(instance, *args, **kwargs)

@@ -48,6 +48,7 @@ class ActorRole(Role):
             self.reference = apply_fsdp(load_causal_lm(self.model_dir, **load).requires_grad_(False), mesh, fsdp)
         self.clock = PhaseClock(self.device)
         self.memory = self._memory_tracker(engine=None)
+        ctx.set_memory_report("policy", lambda: self.memory.breakdown_mb())  # in an out-of-memory error
         self.grads: diagnostics.GradReport | None = None
         """The last optimizer step's gradient report (per-unit local norms before clipping, global norm, loss)."""
 
@@ -57,6 +58,9 @@ class ActorRole(Role):
 
     def setup_report(self) -> dict[str, object]:
         return {"device": str(self.device), "memory_mb": diagnostics.memory_mb(self.device)}
+
+    def close(self) -> None:
+        context().set_memory_report("policy", None)
 
     # -- diagnostics (combined on the controller by rlkit.diagnostics) ---------------------------
 

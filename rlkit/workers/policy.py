@@ -116,7 +116,7 @@ class PolicyWorker(ActorRole):
             ref_logprobs=None if ref_logprobs is None else ref_logprobs.cpu(),
             finish_reason=gen.finish_reason,
             times=dict(self.clock.times),
-            memory_mb=diagnostics.memory_mb(self.device),
+            memory_mb=self.memory.memory_mb(),
         )
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> SampleResult:
@@ -135,7 +135,7 @@ class PolicyWorker(ActorRole):
             response_mask=gen.response_mask.cpu(),
             finish_reason=gen.finish_reason,
             times=dict(self.clock.times),
-            memory_mb=diagnostics.memory_mb(self.device),
+            memory_mb=self.memory.memory_mb(),
         )
 
     def update(self, rows: PolicyRows) -> UpdateResult:
@@ -191,7 +191,7 @@ class PolicyWorker(ActorRole):
         metrics = {**sums.reduce(), "actor/lr": actor.lr}
         self.grads = dataclasses.replace(report, global_norm=float(norm), loss=metrics["actor/loss"])
         old = None if scored is None else scored.cpu()
-        report_memory = diagnostics.memory_mb(self.device)
+        report_memory = self.memory.memory_mb()
         return UpdateResult(metrics=metrics, old_logprobs=old, times=dict(self.clock.times), memory_mb=report_memory)
 
     def sync_engine(self) -> int:
@@ -244,4 +244,5 @@ class PolicyWorker(ActorRole):
 
     def close(self) -> None:
         """Stop the rollout engine (and any processes it owns)."""
+        super().close()
         self.engine.close()
