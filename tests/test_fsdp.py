@@ -12,9 +12,11 @@ from rlkit.models.logprobs import response_logprobs
 
 WIDTH = 4  # response tokens
 CLIP, KL, LR = 0.2, 0.05, 1e-3
-TINY_GRAD = 1e-7
-"""Gradient entries below this are at the level of float noise, where AdamW's first step (about
-lr * g / (|g| + eps), eps = 1e-8) can take either sign: such entries are held to within 2 * lr."""
+TINY_GRAD = 1e-6
+"""Gradient entries below this (before clipping, which scales them down further) are within a few
+hundred float-noise units of AdamW's eps = 1e-8, where its first step (about lr * g / (|g| + eps))
+turns a change in the order of a reduction (packed vs padded rows, micro-batch splits) into a visible
+change of the weight, or of its sign: such entries are held to within 2 * lr."""
 
 
 def small_model() -> Qwen2ForCausalLM:
@@ -69,6 +71,7 @@ class Reference:
     weights: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
     """Before clipping."""
+    lr: float = LR
 
     def assert_matches(self, weights: dict[str, torch.Tensor], label: str) -> None:
         """Every weight as after the reference's AdamW step (entries with TINY_GRAD gradients: within 2 lr)."""
@@ -77,14 +80,15 @@ class Reference:
             noise = self.grads[name].abs() < TINY_GRAD
             got = weights[name]
             torch.testing.assert_close(got[~noise], ref[~noise], rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
-            assert ((got[noise] - ref[noise]).abs() <= 2 * LR).all(), f"{label}: {name}"
+            assert ((got[noise] - ref[noise]).abs() <= 2 * self.lr).all(), f"{label}: {name}"
 
 
 def reference_update() -> Reference:
     """Plain PyTorch: one model, the whole batch, token-mean loss, clipped norm, one AdamW step."""
     model, batch = small_model(), make_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    logp = response_logprobs(model, batch["input_ids"], batch["attention_mask"], WIDTH, 1.0)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logp, _ = response_logprobs(model, ids, mask, response_width=WIDTH, temperature=1.0)
     per_token, _ = clipped_policy_loss(logp, batch["logprobs"], batch["advantages"], CLIP)
     per_token = per_token + KL * kl_estimate(logp, batch["ref_logprobs"], "k3")
     mask = batch["response_mask"]
@@ -135,12 +139,15 @@ def test_sharded_update_equals_unsharded_reference(cluster, version):
 
 @pytest.mark.timeout(120)
 def test_gradient_accumulation_invariance(cluster):
-    """1 micro-batch of 4 per rank (8 in all) and micro-batches of 1 give the same update."""
+    """1 micro-batch of 4 per rank (8 in all) and micro-batches of 1 give the same update (the reference's:
+    rows packed 4 at a time round differently from rows alone, which AdamW's first step amplifies on
+    gradients at noise level, so those entries are held as :meth:`Reference.assert_matches` holds them)."""
     whole = cluster.run(sharded_update, 2, 4)[0]
     accumulated = cluster.run(sharded_update, 2, 1)[0]
     assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5)
-    for name, value in whole["weights"].items():
-        torch.testing.assert_close(accumulated["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    reference = reference_update()
+    reference.assert_matches(whole["weights"], "micro-batch 4")
+    reference.assert_matches(accumulated["weights"], "micro-batch 1")
 
 
 @pytest.mark.timeout(120)

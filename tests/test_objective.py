@@ -7,7 +7,7 @@ would be wrong).
 
 import pytest
 import torch
-from test_fsdp import WIDTH, small_model
+from test_fsdp import WIDTH, Reference, small_model
 
 import rlkit
 from rlkit.algos import aggregate_loss, clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_estimate
@@ -47,7 +47,7 @@ def config(mode: str, micro: int, fsdp_version: int = 2) -> rlkit.PPOConfig:
     )
 
 
-def policy_reference(mode: str) -> tuple[float, dict[str, torch.Tensor]]:
+def policy_reference(mode: str) -> Reference:
     """The whole batch in one process: per-token PPO loss + k2 KL - entropy bonus, aggregated by ``mode``."""
     model, batch = small_model(), make_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
@@ -56,10 +56,16 @@ def policy_reference(mode: str) -> tuple[float, dict[str, torch.Tensor]]:
     per_token, _ = clipped_policy_loss(logp, batch["logprobs"], batch["advantages"], 0.2, clip_high=0.28, dual_clip=3.0)
     per_token = per_token + 0.05 * kl_estimate(logp, batch["ref_logprobs"], "k2") - 0.01 * entropy_from_logits(logits)
     loss = aggregate_loss(per_token, batch["response_mask"], mode)
+    return stepped(model, optimizer, loss)
+
+
+def stepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float = 1e-3):
+    """Backward, clip to 0.5, one step; the loss, updated weights and unclipped gradients."""
     loss.backward()
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optimizer.step()
-    return loss.item(), {k: v.detach() for k, v in model.named_parameters()}
+    return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads, lr)
 
 
 def sharded_policy_update(mode: str, micro: int, policy_loss_fn=None) -> dict:
@@ -86,20 +92,15 @@ def cluster():
         yield c
 
 
-def assert_weights_close(got: dict, expected: dict, label: str) -> None:
-    assert got.keys() == expected.keys()
-    for name, ref in expected.items():
-        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_policy_update_matches_reference_in_every_mode_and_split(cluster, mode):
-    ref_loss, ref_weights = policy_reference(mode)
+    reference = policy_reference(mode)
     for micro in (1, 3):
         for rank, result in enumerate(cluster.run(sharded_policy_update, mode, micro)):
-            assert result["stats"]["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"micro={micro} rank={rank}"
-            assert_weights_close(result["weights"], ref_weights, f"{mode} micro={micro} rank={rank}")
+            label = f"{mode} micro={micro} rank={rank}"
+            assert result["stats"]["loss"] == pytest.approx(reference.loss, rel=1e-5, abs=1e-6), label
+            reference.assert_matches(result["weights"], label)
             assert result["stats"]["tokens"] == make_batch()["response_mask"].sum().item()
 
 
@@ -114,12 +115,9 @@ def test_custom_policy_loss_travels_by_value(cluster):
     logp = token_logprobs(logits, batch["input_ids"][:, -WIDTH:], 1.0)
     per_token = -batch["advantages"] * logp + 0.05 * kl_estimate(logp, batch["ref_logprobs"], "k2")
     per_token = per_token - 0.01 * entropy_from_logits(logits)
-    aggregate_loss(per_token, batch["response_mask"], "token-mean").backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    optimizer.step()
-    expected = {k: v.detach() for k, v in model.named_parameters()}
+    reference = stepped(model, optimizer, aggregate_loss(per_token, batch["response_mask"], "token-mean"))
     for rank, result in enumerate(cluster.run(sharded_policy_update, "token-mean", 2, reinforce)):
-        assert_weights_close(result["weights"], expected, f"rank {rank}")
+        reference.assert_matches(result["weights"], f"rank {rank}")
         assert result["stats"]["clipped"] == 0.0
 
 
@@ -141,7 +139,7 @@ def save_small_model(directory: str) -> None:
     small_model().save_pretrained(directory)
 
 
-def critic_reference(model_dir) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+def critic_reference(model_dir) -> tuple[torch.Tensor, Reference]:
     """Rollout-time values, the clipped value loss (token-mean) and the weights after one AdamW step, in one process."""
     from rlkit.models.value import load_value_model, response_values
 
@@ -149,15 +147,12 @@ def critic_reference(model_dir) -> tuple[torch.Tensor, float, dict[str, torch.Te
     model = load_value_model(model_dir, dtype=torch.float32, device=torch.device("cpu"))
     batch = make_batch()
     with torch.no_grad():
-        rollout_values = response_values(model, batch["input_ids"], batch["attention_mask"], WIDTH)
+        rollout_values = response_values(model, batch["input_ids"], batch["attention_mask"], response_width=WIDTH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    values = response_values(model, batch["input_ids"], batch["attention_mask"], WIDTH)
+    values = response_values(model, batch["input_ids"], batch["attention_mask"], response_width=WIDTH)
     per_token, _ = clipped_value_loss(values, batch["values"], batch["returns"], 0.1)
     loss = aggregate_loss(per_token, batch["response_mask"], "token-mean")
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    optimizer.step()
-    return rollout_values, loss.item(), {k: v.detach() for k, v in model.named_parameters()}
+    return rollout_values, stepped(model, optimizer, loss, lr=2e-3)
 
 
 def sharded_critic(model_dir: str, micro: int, fsdp_version: int) -> dict:
@@ -183,13 +178,13 @@ def sharded_critic(model_dir: str, micro: int, fsdp_version: int) -> dict:
 @pytest.mark.parametrize("fsdp_version", [2, 1])
 def test_critic_values_and_update_match_reference(cluster, tmp_path, fsdp_version):
     save_small_model(tmp_path)
-    ref_values, ref_loss, ref_weights = critic_reference(tmp_path)
+    ref_values, reference = critic_reference(tmp_path)
     for micro in (4, 1):
         results = cluster.run(sharded_critic, str(tmp_path), micro, fsdp_version)
         mask = make_batch()["response_mask"]
         values = torch.cat([r["values"] for r in results])
         torch.testing.assert_close(values * mask, ref_values * mask, rtol=1e-5, atol=1e-6)
         for rank, result in enumerate(results):
-            assert result["stats"]["loss"] == pytest.approx(ref_loss, rel=1e-5), f"micro={micro} rank={rank}"
+            assert result["stats"]["loss"] == pytest.approx(reference.loss, rel=1e-5), f"micro={micro} rank={rank}"
             assert 0 < result["stats"]["clipped"] < mask.sum().item()
-            assert_weights_close(result["weights"], ref_weights, f"critic fsdp{fsdp_version} micro={micro} rank={rank}")
+            reference.assert_matches(result["weights"], f"critic fsdp{fsdp_version} micro={micro} rank={rank}")

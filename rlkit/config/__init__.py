@@ -17,6 +17,7 @@ from rlkit.config.run import (
     config_from_toml,
 )
 from rlkit.config.sections import (
+    ATTN_IMPLEMENTATIONS,
     ENGINES,
     SHARDING,
     CheckpointConfig,
@@ -28,6 +29,7 @@ from rlkit.config.sections import (
 )
 
 __all__ = [
+    "ATTN_IMPLEMENTATIONS",
     "CheckpointConfig",
     "ConfigError",
     "CriticConfig",

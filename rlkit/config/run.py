@@ -13,12 +13,14 @@ from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.config.checks import ConfigError, need
 from rlkit.config.sections import (
+    ATTN_IMPLEMENTATIONS,
     CheckpointConfig,
     CriticConfig,
     FSDPConfig,
     OptimConfig,
     RewardModelConfig,
     RolloutConfig,
+    attention_problems,
 )
 
 
@@ -81,6 +83,13 @@ class RLConfig:
     subtracted from the rewards before advantages, as in InstructGPT-style PPO)."""
     trust_remote_code: bool = False
     """Allow a model directory's own Python code to run (off: nothing runs that rlkit did not ask for)."""
+    padding_free: bool = True
+    """Pack each micro-batch's sequences into one row (position ids restarting per sequence) so that padding is
+    never computed, and run the LM head on response tokens only (actor, reference and critic). Models of
+    families rlkit cannot pack (rlkit.models.packing.PACKABLE_MODEL_TYPES, no sliding windows) keep padded rows."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel: "sdpa" (PyTorch's; packed rows take torch's varlen flash kernel on GPU),
+    "flash_attention_2" (needs flash-attn, GPU) or "flex_attention" (GPU; block-sparse document mask)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation settings; a string is short for ``RolloutConfig(engine=...)``, e.g. ``rollout="vllm"``."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -150,6 +159,11 @@ class RLConfig:
         need(p, self.kl_coef >= 0, f"kl_coef={self.kl_coef}: must be >= 0 (0 disables the reference)")
         need(p, self.kl_estimator in KL_ESTIMATORS, f'kl_estimator="{self.kl_estimator}": use one of {KL_ESTIMATORS}')
         need(p, self.kl_mode in ("loss", "reward"), f'kl_mode="{self.kl_mode}": use "loss" or "reward"')
+        need(
+            p,
+            self.attn_implementation in ATTN_IMPLEMENTATIONS,
+            f'attn_implementation="{self.attn_implementation}": use one of {ATTN_IMPLEMENTATIONS}',
+        )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         return p + nested + self.reward_model.problems()
 
@@ -178,6 +192,7 @@ class RLConfig:
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
         """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
         p: list[str] = self.fsdp.cluster_problems(world_size, device) + self.rollout.cluster_problems()
+        p += attention_problems(self.attn_implementation, device)
         if self.prompts_per_step % world_size:
             p.append(
                 f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -43,7 +46,9 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
 
     Parameters stay fp32 (the optimizer's master copy); mixed precision casts
     them to the compute dtype for forward/backward and reduces gradients in
-    ``config.reduce_dtype``. Build the optimizer after this call.
+    ``config.reduce_dtype``. Each decoder layer is, in this order (torchtitan's),
+    checkpointed (``config.activation_checkpointing``), compiled (``config.compile``)
+    and sharded; parameter names do not change. Build the optimizer after this call.
     """
     if config.version == 1:
         return _apply_fsdp1(model, mesh, config)
@@ -56,12 +61,22 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
+        if config.activation_checkpointing:
+            checkpoint(layer)  # composable: forward hooks, the module tree and names stay as they are
+        if config.compile:
+            # the forward only: FSDP's and the checkpoint's hooks stay outside the compiled code
+            layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
 def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> torch.nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -76,9 +91,10 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     }[config.sharding]
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
     device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    return FSDP(
+    layer_types = tuple({type(layer) for layer in decoder_layers(model)})
+    wrapped = FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in decoder_layers(model)}),
+        auto_wrap_policy=ModuleWrapPolicy(set(layer_types)),
         sharding_strategy=strategy,
         mixed_precision=MixedPrecision(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
         backward_prefetch=prefetch[config.backward_prefetch],
@@ -87,3 +103,10 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
         device_mesh=mesh if config.sharding == "hybrid" else None,
         use_orig_params=True,
     )
+    if config.activation_checkpointing:  # after wrapping; names gain _checkpoint_wrapped_module (see clean_name)
+        apply_activation_checkpointing(
+            wrapped,
+            checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda module: isinstance(module, layer_types),
+        )
+    return wrapped

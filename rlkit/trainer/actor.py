@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlkit.algos import entropy_from_logits
 from rlkit.config import RLConfig
 from rlkit.diagnostics import GradReport, MemoryTracker, grad_report
 from rlkit.fsdp import apply_fsdp
-from rlkit.models.logprobs import response_logits, response_logprobs, sampled_logprobs, token_logprobs
+from rlkit.models.head import install_response_head
+from rlkit.models.logprobs import response_logprobs
+from rlkit.models.packing import can_pack
 from rlkit.trainer.accumulate import accumulated_step
 from rlkit.trainer.objective import STAT_NAMES, PolicyLossFn, PolicyObjective
 from rlkit.trainer.optim import build_optimizer
@@ -26,8 +27,16 @@ def batched_logprobs(
 ) -> torch.Tensor:
     """[B, T] response log-probs in micro-batches of ``config.micro_batch_size`` rows. Shapes: [B, P + T] in."""
     micro, width, temperature = config.micro_batch_size, config.rollout.max_new_tokens, config.rollout.temperature
+    padding_free = config.padding_free and can_pack(model)
     parts = [
-        response_logprobs(model, input_ids[i : i + micro], attention_mask[i : i + micro], width, temperature)
+        response_logprobs(
+            model,
+            input_ids[i : i + micro],
+            attention_mask[i : i + micro],
+            response_width=width,
+            temperature=temperature,
+            padding_free=padding_free,
+        )[0]
         for i in range(0, input_ids.shape[0], micro)
     ]
     return torch.cat(parts)
@@ -45,6 +54,8 @@ class Actor:
         self, model: torch.nn.Module, mesh: DeviceMesh, config: RLConfig, policy_loss_fn: PolicyLossFn | None = None
     ):
         self.config = config
+        install_response_head(model)
+        self.padding_free = config.padding_free and can_pack(model)
         self.model = apply_fsdp(model, mesh, config.fsdp)
         self.world_size = dist.get_world_size()
         total = config.steps * config.ppo_epochs * config.mini_batches
@@ -111,13 +122,15 @@ class Actor:
         """This micro-batch's share of the loss (weights: [b, T]) and its stat sums."""
         cfg = self.config
         width, temperature = cfg.rollout.max_new_tokens, cfg.rollout.temperature
-        logits = response_logits(self.model, micro["input_ids"], micro["attention_mask"], width)
-        tokens = micro["input_ids"][:, -width:]
-        if cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient: plain autograd over fp32 logits
-            scaled = logits.float() / temperature
-            logprobs, entropy = token_logprobs(scaled, tokens, 1.0), entropy_from_logits(scaled)
-        else:
-            logprobs, entropy = sampled_logprobs(logits, tokens, temperature)
+        logprobs, entropy = response_logprobs(
+            self.model,
+            micro["input_ids"],
+            micro["attention_mask"],
+            response_width=width,
+            temperature=temperature,
+            padding_free=self.padding_free,
+            entropy="grad" if cfg.entropy_coef > 0 else "detached",  # the bonus needs the entropy's gradient
+        )
         if "logprobs" not in micro:
             self._scored.append(logprobs.detach())
             micro = {**micro, "logprobs": logprobs.detach()}

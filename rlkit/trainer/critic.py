@@ -21,6 +21,7 @@ from rlkit.diagnostics.memory import memory_mb
 from rlkit.fsdp import apply_fsdp, build_mesh
 from rlkit.fsdp.checkpoint import load_sharded, save_sharded
 from rlkit.models import resolve_model_dir
+from rlkit.models.packing import can_pack
 from rlkit.models.value import load_value_model, response_values
 from rlkit.runtime import context
 from rlkit.trainer.accumulate import accumulated_step
@@ -42,8 +43,13 @@ class Critic:
         self.rank = ctx.rank
         torch.manual_seed(config.seed)  # the new value head must be the same on every rank
         model = load_value_model(
-            model_dir, dtype=torch.float32, device=ctx.device, trust_remote_code=config.trust_remote_code
+            model_dir,
+            dtype=torch.float32,
+            device=ctx.device,
+            trust_remote_code=config.trust_remote_code,
+            attn_implementation=config.attn_implementation,
         )
+        self.padding_free = config.padding_free and can_pack(model)
         self.model = apply_fsdp(model, build_mesh(ctx.device.type, ctx.world_size, config.fsdp), config.fsdp)
         total = config.steps * config.ppo_epochs * config.mini_batches
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), config.critic.optim, total)
@@ -55,7 +61,13 @@ class Critic:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         parts = [
-            response_values(self.model, input_ids[i : i + micro], attention_mask[i : i + micro], cfg.rollout.max_new_tokens)
+            response_values(
+                self.model,
+                input_ids[i : i + micro],
+                attention_mask[i : i + micro],
+                response_width=cfg.rollout.max_new_tokens,
+                padding_free=self.padding_free,
+            )
             for i in range(0, input_ids.shape[0], micro)
         ]
         return torch.cat(parts)
@@ -88,7 +100,13 @@ class Critic:
             # the head is a Linear with bias, whose output on [B, L, H] is a view; FSDP2 warns against
             # in-place ops on it, and none are done here
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            values = response_values(self.model, micro["input_ids"], micro["attention_mask"], cfg.rollout.max_new_tokens)
+            values = response_values(
+                self.model,
+                micro["input_ids"],
+                micro["attention_mask"],
+                response_width=cfg.rollout.max_new_tokens,
+                padding_free=self.padding_free,
+            )
         per_token, clipped = clipped_value_loss(
             values, micro["values"], micro["returns"], cfg.critic.value_clip or None
         )

@@ -45,7 +45,11 @@ class PolicyWorker:
         torch.manual_seed(config.seed)
         mesh = build_mesh(self.device.type, ctx.world_size, config.fsdp)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
-        load = dict(device=self.device, trust_remote_code=config.trust_remote_code)
+        load = dict(
+            device=self.device,
+            trust_remote_code=config.trust_remote_code,
+            attn_implementation=config.attn_implementation,
+        )
         self.actor = Actor(load_causal_lm(model_dir, dtype=torch.float32, **load), mesh, config, policy_loss_fn)
         self.reference = None
         if config.kl_coef > 0:
