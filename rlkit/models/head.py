@@ -107,7 +107,8 @@ def linear_logprobs(
         entropy: "none" (column 1 is 0), "detached" (no gradient through it) or "grad".
         chunk_rows: rows per chunk; default CHUNK_ELEMENTS // V.
     Returns:
-        [M, 2] float32: log-probs and entropies, differentiable w.r.t. hidden and weight.
+        [M, 2] float32 (float64 for float64 inputs): log-probs and entropies, differentiable w.r.t. hidden
+        and weight.
     """
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
     return _LinearLogprobs.apply(hidden, weight, tokens, temperature, entropy, rows)
@@ -119,8 +120,9 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature: float, entropy: str, rows: int):  # type: ignore[override]
         m = hidden.shape[0]
-        out = torch.zeros(m, 2, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        wide = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.zeros(m, 2, dtype=wide, device=hidden.device)
+        lse = torch.empty(m, dtype=wide, device=hidden.device)
         for s in range(0, m, rows):
             x = _scaled_logits(hidden[s : s + rows], weight, temperature)
             lse[s : s + rows] = norm = torch.logsumexp(x, dim=-1)
@@ -138,7 +140,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_lp = grad_out[:, 0]
         grad_ent = grad_out[:, 1] if ctx.entropy == "grad" else None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
         for s in range(0, hidden.shape[0], rows):
             h, chunk = hidden[s : s + rows], slice(s, s + rows)
             logp = _scaled_logits(h, weight, t).sub_(lse[chunk, None])
@@ -147,14 +149,15 @@ class _LinearLogprobs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[chunk] = dz @ weight
             if ctx.needs_input_grad[1]:
-                grad_weight += (dz.t() @ h).float()
+                grad_weight += dz.t() @ h
         grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_w, None, None, None, None
 
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[C, V] fp32 logits / temperature of one chunk (the matmul in the inputs' dtype, as lm_head does)."""
-    return (hidden @ weight.t()).float().div_(temperature)
+    """[C, V] logits / temperature of one chunk, in fp32 or wider (the matmul in the inputs' dtype, as lm_head)."""
+    logits = hidden @ weight.t()
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).div_(temperature)
 
 
 def _logit_grad(

@@ -1,0 +1,97 @@
+"""Padded and padding-free updates on 2 gloo workers (FSDP2 and FSDP1, with and without activation
+checkpointing) against one unsharded padded process: loss, gradient norm, gradients, weights after AdamW."""
+
+import pytest
+import torch
+from packing_cases import LENGTHS, TEMPERATURE, WIDTH, reference_logprobs, rows, weighted_loss
+from test_fsdp import Reference
+
+import rlkit
+from rlkit.models import load_causal_lm, resolve_model_dir
+
+LR = 1e-3
+
+
+def tiny_model():
+    return load_causal_lm(resolve_model_dir("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+
+
+def reference_step() -> tuple[Reference, float]:
+    """The whole batch in one process on padded rows through the plain path, one AdamW step."""
+    model = tiny_model()
+    ids, mask = rows(model.config.vocab_size)
+    logprobs, entropy = reference_logprobs(model, ids, mask)
+    loss = weighted_loss(logprobs, entropy, mask)
+    loss.backward()
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+    torch.optim.AdamW(model.parameters(), lr=LR).step()
+    return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads, LR), norm
+
+
+def sharded_step(fsdp: dict, padding_free: bool) -> dict:
+    """On a worker: this rank's half of the rows through rlkit's forward, FSDP-wrapped, one AdamW step."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from rlkit.fsdp import apply_fsdp, build_mesh, clip_grad_norm, iter_full_params
+    from rlkit.models.logprobs import response_logprobs
+    from rlkit.runtime import context
+
+    ctx = context()
+    config = rlkit.FSDPConfig(**fsdp)
+    model = tiny_model()
+    calls = []  # forwards started by a module inside layer 0: checkpointing runs it again in backward
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    model = apply_fsdp(model, build_mesh("cpu", ctx.world_size, config), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids, mask = rows(model.config.vocab_size)
+    half = slice(ctx.rank * len(LENGTHS) // 2, (ctx.rank + 1) * len(LENGTHS) // 2)
+    logprobs, entropy = response_logprobs(
+        model, ids[half], mask[half], response_width=WIDTH, temperature=TEMPERATURE,
+        padding_free=padding_free, entropy="grad",
+    )
+    loss = weighted_loss(logprobs, entropy, mask, half)
+    (loss * ctx.world_size).backward()  # FSDP averages gradients over ranks; the losses add up
+    grads = {k: v.grad.full_tensor() for k, v in model.named_parameters() if isinstance(v.grad, DTensor)}
+    norm = clip_grad_norm(model, max_norm=0.0)
+    optimizer.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    weights = dict(iter_full_params(model))
+    return {"loss": total.item(), "norm": float(norm), "grads": grads, "weights": weights, "calls": len(calls)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with rlkit.launch(world_size=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_step()
+
+
+CASES = [
+    ({"version": 2}, True),
+    ({"version": 2, "activation_checkpointing": True}, True),
+    ({"version": 2, "activation_checkpointing": True}, False),
+    ({"version": 1}, True),
+    ({"version": 1, "activation_checkpointing": True}, True),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("fsdp", "padding_free"), CASES, ids=[f"{f}-packed={p}" for f, p in CASES])
+def test_sharded_update_matches_the_padded_reference(cluster, reference, fsdp, padding_free):
+    expected, expected_norm = reference
+    for rank, result in enumerate(cluster.run(sharded_step, fsdp, padding_free)):
+        label = f"{fsdp} padding_free={padding_free} rank {rank}"
+        assert result["calls"] == (2 if fsdp.get("activation_checkpointing") else 1), label
+        assert result["loss"] == pytest.approx(expected.loss, rel=1e-5), label
+        assert result["norm"] == pytest.approx(expected_norm, rel=1e-5), label
+        assert len(result["grads"]) == (len(expected.grads) if fsdp["version"] == 2 else 0)
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, expected.grads[name], atol=2e-6, rtol=1e-4, msg=f"{label}: {name}")
+        expected.assert_matches(result["weights"], label)
