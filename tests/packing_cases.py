@@ -1,4 +1,4 @@
-"""Rows of very different lengths and the plain padded reference, shared by the packing tests (importable on workers)."""
+"""Rows of very different lengths and the plain padded reference, shared by the packing tests (and workers)."""
 
 from __future__ import annotations
 

@@ -85,3 +85,20 @@ def test_response_head_is_the_lm_head_outside_scoring_and_keeps_names_and_tying(
     assert head(hidden).shape == (2, 3, model.config.vocab_size), "the request outlived its block"
     with pytest.raises(ValueError, match="entropy='grads'"), head.scoring(rows, tokens, 1.0, "grads"):
         pass
+
+
+@pytest.mark.slow
+def test_compiled_chunk_math_matches_eager():
+    """What FSDPConfig.compile switches the head to (compiling takes ~30 s on 2 CPU cores)."""
+    from rlkit.models.head import compiled_chunk_math
+
+    torch.manual_seed(2)
+    hidden = torch.randn(9, 8, requires_grad=True)
+    weight = torch.randn(33, 8, requires_grad=True)
+    tokens = torch.randint(0, 33, (9,))
+    results = []
+    for math in (None, compiled_chunk_math()):
+        out = linear_logprobs(hidden, weight, tokens, 0.8, "grad", chunk_rows=3, math=math)
+        results.append((out, *torch.autograd.grad(out.sum(), (hidden, weight))))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

@@ -147,3 +147,21 @@ def test_padding_free_without_the_fused_head_is_refused():
         response_logprobs(model, ids, mask, response_width=WIDTH, temperature=1.0, padding_free=True)
     logprobs, _ = response_logprobs(model, ids, mask, response_width=WIDTH, temperature=1.0)
     assert (logprobs[mask[:, -WIDTH:] == 0] == 0).all() and (logprobs[mask[:, -WIDTH:] == 1] < 0).all()
+
+
+def test_forward_settings_are_checked_before_launch(monkeypatch):
+    from rlkit import ConfigError, FSDPConfig, GRPOConfig
+
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(attn_implementation="eager", fsdp=FSDPConfig(version=1, compile=True))
+    assert len(err.value.problems) == 2
+    assert 'attn_implementation="eager": use one of' in str(err.value)
+    assert "fsdp.compile=True with version=1" in str(err.value)
+    config = GRPOConfig(attn_implementation="flex_attention", fsdp=FSDPConfig(activation_checkpointing=True))
+    with pytest.raises(ConfigError, match="no flex attention backward on CPU"):
+        config.check_cluster(2, "cpu")
+    config.check_cluster(2, "cuda")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="flash-attn is not installed"):
+        GRPOConfig(attn_implementation="flash_attention_2").check_cluster(2, "cuda")
+    assert GRPOConfig().padding_free and GRPOConfig().attn_implementation == "sdpa"

@@ -95,3 +95,33 @@ def test_sharded_update_matches_the_padded_reference(cluster, reference, fsdp, p
         for name, grad in result["grads"].items():
             torch.testing.assert_close(grad, expected.grads[name], atol=2e-6, rtol=1e-4, msg=f"{label}: {name}")
         expected.assert_matches(result["weights"], label)
+
+
+def compiled_layout() -> dict:
+    """On a worker: FSDP2 with checkpointing and compiled layers; parameter names and what each layer became."""
+    from torch.distributed._composable import checkpoint
+
+    from rlkit.fsdp import apply_fsdp, build_mesh
+    from rlkit.models.head import EAGER
+    from rlkit.runtime import context
+
+    config = rlkit.FSDPConfig(activation_checkpointing=True, compile=True)
+    model = tiny_model()
+    names = [name for name, _ in model.named_parameters()]
+    model = apply_fsdp(model, build_mesh("cpu", context().world_size, config), config)
+    layers = model.model.layers
+    return {
+        "names": [name for name, _ in model.named_parameters()],
+        "before": names,
+        "compiled": [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers],
+        "checkpointed": [checkpoint.state(layer).enable_hook for layer in layers],
+        "head": model.lm_head._math != EAGER,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_checkpointing_and_compile_wrap_each_layer_and_keep_names(cluster):
+    """Wiring only (compiling on CPU takes minutes; tests/test_packing_gpu.py runs compiled layers)."""
+    for result in cluster.run(compiled_layout):
+        assert result["names"] == result["before"]
+        assert result["compiled"] == [True, True] and result["checkpointed"] == [True, True] and result["head"]

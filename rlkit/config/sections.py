@@ -168,7 +168,8 @@ class FSDPConfig:
     activation memory drops from one set per layer to one layer's, for about a third more compute."""
     compile: bool = False
     """``torch.compile`` each decoder layer's forward (after activation checkpointing, before sharding, as
-    torchtitan orders them); the first steps pay the compile time. FSDP2 only."""
+    torchtitan orders them) and the fused LM head's per-chunk softmax math; the first steps pay the
+    compile time (and a recompile or two as packed lengths vary). FSDP2 only."""
 
     def problems(self, prefix: str = "fsdp") -> list[str]:
         p: list[str] = []

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from rlkit.config import FSDPConfig
+from rlkit.models.head import ResponseHead
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -47,7 +48,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     Parameters stay fp32 (the optimizer's master copy); mixed precision casts
     them to the compute dtype for forward/backward and reduces gradients in
     ``config.reduce_dtype``. Each decoder layer is, in this order (torchtitan's),
-    checkpointed (``config.activation_checkpointing``), compiled (``config.compile``)
+    checkpointed (``config.activation_checkpointing``), compiled (``config.compile``;
+    a fused :class:`~rlkit.models.head.ResponseHead` compiles its chunk math too)
     and sharded; parameter names do not change. Build the optimizer after this call.
     """
     if config.version == 1:
@@ -67,6 +69,9 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
             # the forward only: FSDP's and the checkpoint's hooks stay outside the compiled code
             layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
         fully_shard(layer, **kwargs)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if config.compile and isinstance(head, ResponseHead):
+        head.compile_chunk_math()
     fully_shard(model, **kwargs)
     return model
 

@@ -11,9 +11,10 @@ accumulator, instead of [N, V] logits and their fp32 copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,6 +52,11 @@ class ResponseHead(nn.Linear):
         self.weight = linear.weight  # the same Parameter: tying and names are kept
         self.register_parameter("bias", None)
         self._request: HeadRequest | None = None
+        self._math = EAGER
+
+    def compile_chunk_math(self) -> None:
+        """Run each chunk's elementwise math compiled from now on (``FSDPConfig.compile`` does this)."""
+        self._math = compiled_chunk_math()
 
     @contextmanager
     def scoring(
@@ -73,7 +79,7 @@ class ResponseHead(nn.Linear):
             return nn.functional.linear(hidden, self.weight)
         chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, request.rows)
         return linear_logprobs(
-            chosen, self.weight, request.tokens, request.temperature, request.entropy, request.chunk_rows
+            chosen, self.weight, request.tokens, request.temperature, request.entropy, request.chunk_rows, self._math
         )
 
 
@@ -97,6 +103,7 @@ def linear_logprobs(
     temperature: float,
     entropy: str = "detached",
     chunk_rows: int = 0,
+    math: ChunkMath | None = None,
 ) -> torch.Tensor:
     """log softmax(hidden @ weight.T / temperature) at ``tokens``, and the entropy, chunk by chunk.
 
@@ -106,73 +113,48 @@ def linear_logprobs(
         tokens: [M] int64.
         entropy: "none" (column 1 is 0), "detached" (no gradient through it) or "grad".
         chunk_rows: rows per chunk; default CHUNK_ELEMENTS // V.
+        math: the per-chunk math (default :data:`EAGER`; :func:`compiled_chunk_math` fuses it).
     Returns:
         [M, 2] float32 (float64 for float64 inputs): log-probs and entropies, differentiable w.r.t. hidden
         and weight.
     """
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    return _LinearLogprobs.apply(hidden, weight, tokens, temperature, entropy, rows)
+    return _LinearLogprobs.apply(hidden, weight, tokens, temperature, entropy, rows, math or EAGER)
 
 
-class _LinearLogprobs(torch.autograd.Function):
-    """Forward keeps one fp32 log-sum-exp (and entropy) per row; backward recomputes each chunk's logits."""
+class ChunkMath(NamedTuple):
+    """The per-chunk elementwise math of :func:`linear_logprobs` (eager, or compiled into fewer passes)."""
 
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature: float, entropy: str, rows: int):  # type: ignore[override]
-        m = hidden.shape[0]
-        wide = torch.promote_types(hidden.dtype, torch.float32)
-        out = torch.zeros(m, 2, dtype=wide, device=hidden.device)
-        lse = torch.empty(m, dtype=wide, device=hidden.device)
-        for s in range(0, m, rows):
-            x = _scaled_logits(hidden[s : s + rows], weight, temperature)
-            lse[s : s + rows] = norm = torch.logsumexp(x, dim=-1)
-            out[s : s + rows, 0] = x.gather(-1, tokens[s : s + rows, None]).squeeze(-1) - norm
-            if entropy != "none":
-                out[s : s + rows, 1] = norm - (torch.softmax(x, dim=-1) * x).sum(-1)
-        ctx.save_for_backward(hidden, weight, tokens, lse, out[:, 1].clone())
-        ctx.temperature, ctx.rows, ctx.entropy = temperature, rows, entropy
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        hidden, weight, tokens, lse, ent = ctx.saved_tensors
-        t, rows = ctx.temperature, ctx.rows
-        grad_lp = grad_out[:, 0]
-        grad_ent = grad_out[:, 1] if ctx.entropy == "grad" else None
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-        for s in range(0, hidden.shape[0], rows):
-            h, chunk = hidden[s : s + rows], slice(s, s + rows)
-            logp = _scaled_logits(h, weight, t).sub_(lse[chunk, None])
-            g_ent = None if grad_ent is None else grad_ent[chunk]
-            dz = _logit_grad(logp, tokens[chunk], grad_lp[chunk], ent[chunk], g_ent, t).to(h.dtype)
-            if grad_hidden is not None:
-                grad_hidden[chunk] = dz @ weight
-            if ctx.needs_input_grad[1]:
-                grad_weight += dz.t() @ h
-        grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_w, None, None, None, None
+    stats: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    grad: Callable[..., torch.Tensor]
 
 
-def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[C, V] logits / temperature of one chunk, in fp32 or wider (the matmul in the inputs' dtype, as lm_head)."""
-    logits = hidden @ weight.t()
-    return logits.to(torch.promote_types(logits.dtype, torch.float32)).div_(temperature)
+def _chunk_stats(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's log-probs of ``tokens``, log-sum-exps and entropies (0 without), from logits [C, V]."""
+    x = _widened(logits).div_(temperature)
+    lse = torch.logsumexp(x, dim=-1)
+    logprobs = x.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(x, dim=-1) * x).sum(-1) if with_entropy else torch.zeros_like(lse)
+    return logprobs, lse, entropy
 
 
-def _logit_grad(
-    logp: torch.Tensor,
+def _chunk_grad(
+    logits: torch.Tensor,
     tokens: torch.Tensor,
-    grad_lp: torch.Tensor,
+    lse: torch.Tensor,
     ent: torch.Tensor,
+    grad_lp: torch.Tensor,
     grad_ent: torch.Tensor | None,
     temperature: float,
 ) -> torch.Tensor:
-    """d loss / d logits [C, V] fp32 of one chunk from its log-softmax ``logp`` [C, V] (consumed in place).
+    """d loss / d logits [C, V] (in the logits' dtype) of one chunk, from its logits [C, V].
 
     With x = logits / temperature and p = softmax(x): d logp[token] / dx = onehot - p and
     d entropy / dx = -p * (log p + entropy).
     """
+    logp = _widened(logits).div_(temperature).sub_(lse[:, None])
     probs = logp.exp()
     if grad_ent is not None:
         logp.add_(ent[:, None]).mul_(probs).mul_(grad_ent[:, None])  # the entropy term, before probs is reused
@@ -180,4 +162,56 @@ def _logit_grad(
     if grad_ent is not None:
         dx.sub_(logp)
     dx.scatter_add_(-1, tokens[:, None], grad_lp[:, None])
-    return dx.div_(temperature)
+    return dx.div_(temperature).to(logits.dtype)
+
+
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 (or wider) copy of ``logits``."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+
+
+EAGER = ChunkMath(_chunk_stats, _chunk_grad)
+
+
+def compiled_chunk_math() -> ChunkMath:
+    """:data:`EAGER` under torch.compile (inductor fuses each chunk's elementwise passes into a few)."""
+    return ChunkMath(torch.compile(_chunk_stats), torch.compile(_chunk_grad))
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """Forward keeps one fp32 log-sum-exp (and entropy) per row; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden, weight, tokens, temperature: float, entropy: str, rows: int, math: ChunkMath
+    ):
+        m = hidden.shape[0]
+        out = torch.empty(m, 2, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        lse = torch.empty_like(out[:, 0])
+        for s in range(0, m, rows):
+            chunk = slice(s, s + rows)
+            out[chunk, 0], lse[chunk], out[chunk, 1] = math.stats(
+                hidden[chunk] @ weight.t(), tokens[chunk], temperature, entropy != "none"
+            )
+        ctx.save_for_backward(hidden, weight, tokens, lse, out[:, 1].clone())
+        ctx.temperature, ctx.rows, ctx.entropy, ctx.math = temperature, rows, entropy, math
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        hidden, weight, tokens, lse, ent = ctx.saved_tensors
+        grad_lp = grad_out[:, 0].contiguous()
+        grad_ent = grad_out[:, 1].contiguous() if ctx.entropy == "grad" else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        for s in range(0, hidden.shape[0], ctx.rows):
+            h, chunk = hidden[s : s + ctx.rows], slice(s, s + ctx.rows)
+            g_ent = None if grad_ent is None else grad_ent[chunk]
+            dz = ctx.math.grad(h @ weight.t(), tokens[chunk], lse[chunk], ent[chunk], grad_lp[chunk], g_ent,
+                               ctx.temperature)
+            if grad_hidden is not None:
+                grad_hidden[chunk] = dz @ weight
+            if ctx.needs_input_grad[1]:
+                grad_weight += dz.t() @ h
+        grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_w, None, None, None, None, None
