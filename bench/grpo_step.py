@@ -1,18 +1,17 @@
 """One GRPO step of rlkit on a Qwen2.5-shaped model (random weights), phase by phase (figures, not a test).
 
     python bench/grpo_step.py --shape 0.5b --world-size 1 --engine vllm [--steps 4] [--beta 0.0] [--micro 64]
-        [--recompute-logprobs] [--profile]
+        [--recompute-logprobs] [--lengths varlen] [--set fsdp.cpu_offload=true ...] [--bare-vllm]
+        [--profile] [--label NAME --json PATH]
 
-The workload is GPU.md's yardstick: ``prompts`` prompts of exactly
-``prompt_len`` tokens, ``group`` completions each of exactly ``response_len``
-tokens (end-of-text suppressed), temperature 1, random rewards (so every
-update does real work), one optimizer step per batch; the old log-probs come
-from the update's own forward unless ``--recompute-logprobs`` (TRL skips that
-pass too when ``num_iterations=1``). Prints seconds per phase (rollout = generate +
-trainer log-probs + reference, update, weight sync), controller overhead,
-rollout and training tokens/s, MFU and peak memory per rank, averaged over
-the steps after the first. ``--profile`` adds one profiled step per rank
-(torch.profiler) and prints its top operators.
+The workload is ``bench/workloads.py``'s (GPU.md's yardstick by default; ``--lengths varlen`` is issue 15's
+512 completions of 16-2,048 tokens, mean ~500, forced per completion in the vllm engine). One optimizer
+step per batch; the old log-probs come from the update's own forward unless ``--recompute-logprobs``.
+``--set`` overrides any config setting by its dotted name (values read as JSON, else text), e.g.
+``rollout.sleep=always``, ``rollout.engine_logprobs=1``, ``fsdp.cpu_offload=true``, or the settings of
+issue 15 (``padding_free=false``). Prints seconds per phase, tokens/s, MFU and peak memory, averaged over
+the steps after the first; ``--bare-vllm`` then runs bare vLLM on the same rollout in this process
+(``bench/bare_vllm.py``) and prints rlkit's generation against it. ``--profile`` adds one profiled step.
 """
 
 from __future__ import annotations
@@ -20,36 +19,60 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
-import shutil
 import tempfile
 from pathlib import Path
 
+from bare_vllm import bare_generate
+from results import write_result
 from shapes import PEAK_BF16_FLOPS, SHAPES
+from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewards, workload_lengths
 
 import rlkit
-from rlkit.models.tiny import TINY_MODEL_DIR
 
 
-def build_model_dir(shape: str, root: Path) -> Path:
-    """A model directory with random weights of ``shape`` and the bundled tokenizer (digits are one token each)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    out = root / f"qwen2-{shape}-random"
-    if (out / "config.json").is_file():
-        return out
-    torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(TINY_MODEL_DIR / name, out / name)
+def overrides(pairs: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values as JSON where they parse)."""
+    out: dict = {}
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return out
 
 
-def random_rewards(prompts, completions, **fields):
-    rng = random.Random(len(completions) + sum(map(len, completions)))
-    return [rng.random() for _ in completions]
+def merged(base: dict, extra: dict) -> dict:
+    return {**base, **{k: merged(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in extra.items()}}
+
+
+def engines():
+    """On a worker: the rollout engines this rank's roles hold."""
+    from rlkit.runtime import context
+
+    return [v.engine for v in context().state.values() if hasattr(v, "engine")]
+
+
+def force_lengths(lengths: list[int]) -> int:
+    """On a worker: make its vLLM engine generate this rank's share of ``lengths``, one per completion."""
+    from rlkit.runtime import context
+
+    ctx = context()
+    share = len(lengths) // ctx.world_size
+    mine = lengths[ctx.rank * share : (ctx.rank + 1) * share]
+    for engine in engines():
+        engine.llm.generate = ForcedLengths(engine.llm.generate, mine)
+    return len(mine)
+
+
+def engine_state() -> dict[str, object]:
+    """On a worker: how its engine syncs and whether it sleeps (vllm only)."""
+    return {k: getattr(e, k) for e in engines() for k in ("last_sync", "_asleep") if hasattr(e, k)}
 
 
 def start_profiler():
@@ -76,35 +99,35 @@ def stop_profiler(rows: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
-def summarize(history, n_params: int, world_size: int, args) -> dict[str, float]:
+def summarize(history, n_params: int, config: rlkit.GRPOConfig, args) -> dict[str, float]:
     h = history.iloc[1:] if len(history) > 1 else history
     mean = lambda c: float(h[c].mean()) if c in h else 0.0  # noqa: E731
-    samples = args.prompts * args.group
-    seq = args.prompt_len + args.response_len
-    step = mean("time/step")
-    update = mean("time/worker/update")
-    workers = sum(mean(f"time/worker/{p}") for p in ("generate", "logprobs", "reference", "update", "sync"))
-    forwards = int(args.recompute_logprobs) + int(args.beta > 0)  # old log-probs, reference
-    flops = samples * seq * n_params * (6 + 2 * forwards)  # train (fwd+bwd) + scoring forwards; generation excluded
+    samples = config.samples_per_step
+    response = mean("response/length/mean")
+    tokens = samples * (args.prompt_len + response)  # real tokens per step (no padding)
+    step, update, generate = mean("time/step"), mean("time/worker/update"), mean("time/worker/generate")
+    phases = ("generate", "engine_sleep", "logprobs", "reference", "update", "sync")
+    workers = sum(mean(f"time/worker/{p}") for p in phases)
+    forwards = int(config.recompute_logprobs) + int(config.kl_coef > 0)  # old log-probs, reference
+    flops = tokens * n_params * (6 + 2 * forwards)  # train (fwd+bwd) + scoring forwards; generation excluded
     peaks = [float(h[c].max()) for c in h.columns if c.endswith("peak_mb")]
     return {
         "step_s": step,
-        "generate_s": mean("time/worker/generate"),
-        "logprobs_s": mean("time/worker/logprobs"),
-        "reference_s": mean("time/worker/reference"),
-        "update_s": update,
-        "sync_s": mean("time/worker/sync"),
+        **{f"{p}_s": mean(f"time/worker/{p}") for p in phases},
         "controller_overhead_s": step - workers - mean("time/score") - mean("time/advantages"),
-        "rollout_tokens_per_s": samples * args.response_len / max(mean("time/worker/generate"), 1e-9),
-        "train_tokens_per_s": samples * seq / max(update, 1e-9),
-        "mfu_update": 6 * n_params * samples * seq / max(update, 1e-9) / (PEAK_BF16_FLOPS * world_size),
-        "mfu_step": flops / step / (PEAK_BF16_FLOPS * world_size),
+        "response_len_mean": response,
+        "rollout_tokens_per_s": samples * response / max(generate, 1e-9),
+        "update_tokens_per_s": tokens / max(update, 1e-9),
+        "mfu_update": 6 * n_params * tokens / max(update, 1e-9) / (PEAK_BF16_FLOPS * args.world_size),
+        "mfu_step": flops / step / (PEAK_BF16_FLOPS * args.world_size),
         "peak_gib_max_rank": max(peaks) / 1024 if peaks else float("nan"),
         "reward_mean": mean("reward/mean"),
+        "logprob_gap_mean": mean("rollout/logprob_gap/mean"),
+        "steps_s": [float(x) for x in history["time/step"]],
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--world-size", type=int, default=1)
@@ -112,47 +135,76 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--response-len", type=int, help="256; with --lengths varlen the longest, 2048")
+    parser.add_argument("--lengths", choices=("fixed", "varlen"), default="fixed")
     parser.add_argument("--micro", type=int, default=64, help="sequences per forward/backward")
     parser.add_argument("--recompute-logprobs", action="store_true", help="score rollouts in a separate pass")
     parser.add_argument("--beta", type=float, default=0.0, help="kl_coef (0: no reference model)")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config setting")
+    parser.add_argument("--bare-vllm", action="store_true", help="then bare vLLM on the same rollout")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--label", default="rlkit")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    if args.lengths == "varlen" and args.engine != "vllm":
+        parser.error("--lengths varlen forces lengths through vLLM: use --engine vllm")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
+    lengths = workload_lengths(args, args.prompts * args.group)
     model_dir = build_model_dir(args.shape, args.root)
-    rng = random.Random(0)
-    prompts = ["".join(rng.choice("0123456789") for _ in range(args.prompt_len)) for _ in range(args.prompts * 4)]
-    config = rlkit.GRPOConfig(
-        model=str(model_dir), seed=0, steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
-        kl_coef=args.beta, micro_batch_size=args.micro, recompute_logprobs=args.recompute_logprobs,
-        rollout=rlkit.RolloutConfig(engine=args.engine, max_new_tokens=args.response_len,
-                                    min_new_tokens=args.response_len, max_prompt_tokens=args.prompt_len),
-        optim=rlkit.OptimConfig(lr=1e-6),
-    )
+    prompts = digit_prompts(args.prompts * 4, args.prompt_len)
+    fixed = args.lengths == "fixed"
+    base = {
+        "model": str(model_dir), "seed": 0, "steps": args.steps, "prompts_per_step": args.prompts,
+        "group_size": args.group, "kl_coef": args.beta, "micro_batch_size": args.micro,
+        "recompute_logprobs": args.recompute_logprobs, "optim": {"lr": 1e-6},
+        "rollout": {"engine": args.engine, "max_new_tokens": args.response_len,
+                    "min_new_tokens": args.response_len if fixed else 0, "max_prompt_tokens": args.prompt_len},
+    }
+    config = rlkit.GRPOConfig.from_dict(merged(base, overrides(args.set)))
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
         trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards, prompts=prompts)
+        if lengths:
+            cluster.run(force_lengths, lengths)
         history = trainer.fit(args.steps, progress=False)
+        state = cluster.run(engine_state)[0]
         profile = None
         if args.profile:
             cluster.run(start_profiler)
             trainer.step()
             profile = cluster.run(stop_profiler, 25)[0]
     n_params = _param_count(model_dir)
-    figures = summarize(history, n_params, args.world_size, args)
+    figures = {**summarize(history, n_params, config, args), "n_params": n_params,
+               "engine_state": {k: str(v) for k, v in state.items()}, "config": config.to_dict(), "profile": profile}
+    if args.bare_vllm:
+        bare = bare_generate(model_dir, prompts[: args.prompts], group=args.group, response_len=args.response_len,
+                             lengths=lengths)
+        figures["bare_vllm"] = bare
+        figures["generate_over_bare"] = figures["generate_s"] / bare["generate_s"]
+    report(figures, n_params, args, profile)
+    write_result(args.json, args.label, figures, args)
+
+
+def report(figures: dict, n_params: int, args, profile: str | None) -> None:
     print(f"rlkit GRPO step: {args.shape} ({n_params / 1e6:.0f}M), {args.world_size} rank(s), engine {args.engine}, "
-          f"{args.prompts}x{args.group} completions of {args.response_len} tokens, beta {args.beta}, "
-          f"micro-batch {args.micro}, recompute_logprobs {args.recompute_logprobs}")
+          f"{args.prompts}x{args.group} completions ({args.lengths}, up to {args.response_len} tokens), "
+          f"beta {args.beta}, micro-batch {args.micro}, settings {args.set}")
     for key, value in figures.items():
-        print(f"  {key:<24}{value:>12.4g}")
+        if isinstance(value, float):
+            print(f"  {key:<24}{value:>12.4g}")
+    print(f"  engine                  {figures['engine_state']}")
+    if "bare_vllm" in figures:
+        print(f"  bare vLLM generate      {figures['bare_vllm']['generate_s']:>12.4g}   "
+              f"(rlkit / bare = {figures['generate_over_bare']:.3f})")
     if profile:
         print("profile of one step, rank 0 (top operators by self device time):")
         print(profile)
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **figures}, indent=1))
 
 
 def _param_count(model_dir: Path) -> int:

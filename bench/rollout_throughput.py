@@ -5,45 +5,35 @@
 
 Both engines are built as the trainer builds them (``rlkit.rollout.build_engine``, bf16 on GPU, fp32
 on CPU) from one model directory and sample the same prompts (``--prompts`` x ``--samples``
-completions of at most ``--new-tokens``, temperature 1). The weight sync is the trainer's: an
-FSDP2-wrapped fp32 actor (one rank) gathered parameter by parameter into the engine. On GPU the
-vLLM engine sleeps before each sync (the hybrid engine's cycle) and the table gives the memory
-its sleep freed. Prints one row per engine, with ratios to hf.
+completions of at most ``--new-tokens``, temperature 1; vLLM's log-probs on ``--engine-logprobs`` of the
+prompts). The weight sync is the trainer's: an FSDP2-wrapped fp32 actor (one rank) gathered parameter
+by parameter into the engine. Where the sync's time goes: "gather" is the FSDP gather alone; "sync 1"
+the first sync into an awake engine (packs the shared buffers and hands them over), "sync" the median
+of the later ones (copies into the buffers and one RPC; "how" says whether the engine then copied
+straight into its parameters or ran vLLM's loader); then one sleep (the memory it freed) and the
+sync that wakes the engine. Prints one row per engine, with ratios to hf; ``--json`` writes them.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-                 max_position_embeddings=32768),
-}
-"""Random-weight shapes (the tokenizer is the tiny model's; generated ids are what is measured)."""
+from results import write_result
+from shapes import SHAPES
+from workloads import build_model_dir
 
 
 def model_dir(shape: str, workdir: Path) -> Path:
-    """The bundled tiny model, or a random-weight model of ``shape`` saved under ``workdir``."""
+    """The bundled tiny model (``--shape tiny``: the addition task), or a random-weight model of ``shape``."""
     from rlkit.models.tiny import TINY_MODEL_DIR
 
-    if shape == "tiny":
-        return TINY_MODEL_DIR
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    out = workdir / shape
-    Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape], bos_token_id=0, eos_token_id=0)).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY_MODEL_DIR / name, out / name)
-    return out
+    return TINY_MODEL_DIR if shape == "tiny" else build_model_dir(shape, workdir)
 
 
 def prompts(shape: str, count: int, length: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +62,7 @@ def init_one_rank_group(device: torch.device) -> None:
 
 
 def measure(engine, actor, ids, mask, params, repeats: int, device: torch.device) -> dict[str, float]:
-    """Best-of-``repeats`` generate tokens/s, then the sync's seconds (and on GPU the sleep's freed GiB)."""
-    from rlkit.fsdp import iter_full_params
-
+    """Best-of-``repeats`` generate seconds, then where a weight sync's time goes (see the module's doc)."""
     engine.generate(ids[:2], mask[:2], params)  # warm-up
     best = None
     for _ in range(repeats):
@@ -85,16 +73,33 @@ def measure(engine, actor, ids, mask, params, repeats: int, device: torch.device
         seconds = time.perf_counter() - start
         if best is None or seconds < best[0]:
             best = (seconds, gen.response_mask.sum().item())
+    assert best is not None
+    return {"seconds": best[0], "tokens": best[1], **measure_sync(engine, actor, repeats + 1, device)}
+
+
+def measure_sync(engine, actor, repeats: int, device: torch.device) -> dict[str, float]:
+    from rlkit.fsdp import iter_full_params
+
+    def timed(fn) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    gather = timed(lambda: list(iter_full_params(actor)))
+    syncs = [timed(lambda: engine.load_weights(iter_full_params(actor))) for _ in range(repeats)]
+    how = getattr(engine, "last_sync", "in place")
+    policy = getattr(engine, "sleep_policy", None)
+    if policy is not None:
+        policy.mode = "always"  # one sleep, whatever rollout.sleep would decide
     free_before = _free_gib(device)
-    start = time.perf_counter()
-    engine.sleep()
-    sleep_s = time.perf_counter() - start
+    sleep_s = timed(engine.sleep)
     freed = _free_gib(device) - free_before
-    start = time.perf_counter()
-    count = engine.load_weights(iter_full_params(actor))
-    _sync(device)
-    return {"seconds": best[0], "tokens": best[1], "sleep_s": sleep_s, "freed_gib": freed,
-            "sync_s": time.perf_counter() - start, "tensors": count}
+    woken = timed(lambda: engine.load_weights(iter_full_params(actor)))
+    return {"gather_s": gather, "sync_first_s": syncs[0], "sync_s": statistics.median(syncs[1:] or syncs),
+            "how": how, "sleep_s": sleep_s, "freed_gib": freed, "sync_after_sleep_s": woken,
+            "tensors": engine.load_weights(iter_full_params(actor))}
 
 
 def _sync(device: torch.device) -> None:
@@ -117,6 +122,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="random prompts' length (not for tiny)")
     parser.add_argument("--new-tokens", type=int, help="default 256 (cuda) / 32 (cpu); tiny: at most 16")
     parser.add_argument("--repeats", type=int, default=2, help="timed generate calls per engine (best is kept)")
+    parser.add_argument("--engine-logprobs", type=float, default=1.0, help="rollout.engine_logprobs for vllm")
+    parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()), help="where random models go")
+    parser.add_argument("--label", default="rollout-throughput")
+    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cuda = args.device == "cuda"
     n_prompts = args.prompts or (64 if cuda else 16)
@@ -135,44 +144,46 @@ def main() -> None:
     init_one_rank_group(device)
     fsdp = rlkit.FSDPConfig()
     dtype = param_dtype(fsdp, device.type)
-    with tempfile.TemporaryDirectory(prefix="rlkit-bench-") as tmp:
-        directory = model_dir(args.shape, Path(tmp))
-        tokenizer = load_tokenizer(directory)
-        ids, mask = prompts(args.shape, n_prompts, args.prompt_tokens, tokenizer)
-        ids, mask = ids.to(device), mask.to(device)
-        actor = apply_fsdp(load_causal_lm(directory, dtype=torch.float32, device=device),
-                           build_mesh(device.type, 1, fsdp), fsdp)
-        params = SamplingParams(n=args.samples, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=0)
-        n_params = sum(p.numel() for p in actor.parameters())
-        print(f"model {args.shape} ({n_params / 1e6:.1f}M params, {dtype}) on {device}; {n_prompts} prompts x "
-              f"{args.samples} samples, prompt {ids.shape[1]} tokens, at most {new_tokens} new tokens", flush=True)
-        rows = {}
-        for name in args.engines.split(","):
-            config = rlkit.RolloutConfig(engine=name, max_prompt_tokens=ids.shape[1], max_new_tokens=new_tokens)
-            start = time.perf_counter()
-            engine = build_engine(config, directory, device=device, dtype=dtype, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, max_num_seqs=n_prompts * args.samples, seed=0)
-            built = time.perf_counter() - start
-            try:
-                rows[name] = {"start_s": built, **measure(engine, actor, ids, mask, params, args.repeats, device)}
-            finally:
-                engine.close()
-            del engine
-            if cuda:
-                torch.cuda.empty_cache()  # the next engine (vLLM: another process) needs this memory
-            print(f"  {name}: done", flush=True)
+    directory = model_dir(args.shape, args.root)
+    tokenizer = load_tokenizer(directory)
+    ids, mask = prompts(args.shape, n_prompts, args.prompt_tokens, tokenizer)
+    ids, mask = ids.to(device), mask.to(device)
+    actor = apply_fsdp(load_causal_lm(directory, dtype=torch.float32, device=device),
+                       build_mesh(device.type, 1, fsdp), fsdp)
+    params = SamplingParams(n=args.samples, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=0)
+    n_params = sum(p.numel() for p in actor.parameters())
+    print(f"model {args.shape} ({n_params / 1e6:.1f}M params, {dtype}) on {device}; {n_prompts} prompts x "
+          f"{args.samples} samples, prompt {ids.shape[1]} tokens, at most {new_tokens} new tokens", flush=True)
+    rows = {}
+    for name in args.engines.split(","):
+        config = rlkit.RolloutConfig(engine=name, max_prompt_tokens=ids.shape[1], max_new_tokens=new_tokens,
+                                     engine_logprobs=args.engine_logprobs)
+        start = time.perf_counter()
+        engine = build_engine(config, directory, device=device, dtype=dtype, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, max_num_seqs=n_prompts * args.samples, seed=0)
+        built = time.perf_counter() - start
+        try:
+            rows[name] = {"start_s": built, **measure(engine, actor, ids, mask, params, args.repeats, device)}
+        finally:
+            engine.close()
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()  # the next engine (vLLM: another process) needs this memory
+        print(f"  {name}: done", flush=True)
     report(rows)
+    write_result(args.json, args.label, rows, args)
 
 
-def report(rows: dict[str, dict[str, float]]) -> None:
+def report(rows: dict[str, dict]) -> None:
     base = rows.get("hf")
-    print(f"\n{'engine':<7}{'start s':>9}{'tokens':>9}{'gen s':>8}{'tok/s':>10}{'x hf':>7}"
-          f"{'sleep s':>9}{'freed GiB':>11}{'sync s':>8}{'tensors':>9}")
+    print(f"\n{'engine':<7}{'start s':>9}{'tokens':>9}{'gen s':>8}{'tok/s':>10}{'x hf':>7}{'gather s':>10}"
+          f"{'sync 1 s':>10}{'sync s':>8}{'how':>10}{'sleep s':>9}{'freed GiB':>11}{'woken s':>9}{'tensors':>9}")
     for name, r in rows.items():
         rate = r["tokens"] / r["seconds"]
         ratio = rate / (base["tokens"] / base["seconds"]) if base else float("nan")
         print(f"{name:<7}{r['start_s']:>9.1f}{r['tokens']:>9.0f}{r['seconds']:>8.2f}{rate:>10.0f}{ratio:>7.2f}"
-              f"{r['sleep_s']:>9.2f}{r['freed_gib']:>11.1f}{r['sync_s']:>8.3f}{r['tensors']:>9.0f}")
+              f"{r['gather_s']:>10.3f}{r['sync_first_s']:>10.3f}{r['sync_s']:>8.3f}{r['how']:>10}"
+              f"{r['sleep_s']:>9.2f}{r['freed_gib']:>11.1f}{r['sync_after_sleep_s']:>9.3f}{r['tensors']:>9.0f}")
 
 
 if __name__ == "__main__":

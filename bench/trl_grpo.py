@@ -1,6 +1,7 @@
 """The peer: TRL's GRPOTrainer on the same workload as bench/grpo_step.py (figures, not a test).
 
     python bench/trl_grpo.py --shape 0.5b [--steps 4] [--beta 0.0] [--micro 64] [--gradient-checkpointing]
+        [--vllm [--vllm-gpu-memory-utilization 0.3] [--vllm-is-correction]] [--lengths varlen] [--json PATH]
 
 Same model directory (random weights, built by bench/grpo_step.py's
 ``build_model_dir``), prompts, group size, fixed response length and
@@ -9,22 +10,32 @@ temperature; HF generate inside TRL. One optimizer step consumes all
 gradient accumulation), so a TRL step and an rlkit step do the same work.
 Activation checkpointing is off, as in rlkit (TRL's GRPOConfig turns it on
 by default; ``--gradient-checkpointing`` restores that).
-Prints seconds per step and in HF generate (medians after the first step;
-generate is timed by wrapping the model's ``generate``), so the rest of the
-step (scoring, the training forward/backward, the optimizer) follows. Run on
-one GPU (TRL's multi-GPU path needs accelerate launch).
+Prints seconds per step and in generation (medians after the first step;
+timed by wrapping the model's ``generate``, or with ``--vllm`` vLLM's), so the
+rest of the step (scoring, the training forward/backward, the optimizer)
+follows. Run on one GPU (TRL's multi-GPU path needs accelerate launch).
+
+``--vllm`` is TRL's colocate vLLM mode (one engine in this process, sharing
+the GPU, ``gpu_memory_utilization`` 0.3 by default, no sleep mode; vLLM's
+sampled-token log-probs come back as TRL always asks). TRL's importance-sampling
+correction (its default with vLLM) adds a forward pass for old log-probs; it is
+off here so that TRL runs the same algorithm as rlkit (``--vllm-is-correction``
+turns it on). ``--lengths varlen`` forces issue 15's per-completion lengths
+through vLLM (``bench/workloads.py``; needs ``--vllm``). The weight sync TRL
+makes into its engine before each generation counts in the rest of the step.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import random
+import os
+import socket
 import tempfile
 import time
 from pathlib import Path
 
-from grpo_step import build_model_dir, random_rewards
+from results import write_result
+from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewards, workload_lengths
 
 
 def _sync() -> None:
@@ -71,41 +82,54 @@ class StepTimer:
         raise AttributeError(name)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="0.5b")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--response-len", type=int, help="256; with --lengths varlen the longest, 2048")
+    parser.add_argument("--lengths", choices=("fixed", "varlen"), default="fixed")
     parser.add_argument("--micro", type=int, default=64, help="completions per forward/backward")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; rlkit does not")
     parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--vllm", action="store_true", help="TRL's colocate vLLM mode instead of HF generate")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--vllm-is-correction", action="store_true", help="TRL's importance-sampling correction")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--label", default="trl")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.lengths == "varlen" and not args.vllm:
+        parser.error("--lengths varlen forces lengths through vLLM: add --vllm")
+    return args
 
+
+def single_process_environment() -> None:
+    """What TRL's colocate mode reads to build vLLM's world of one, as a launcher would set it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        os.environ.setdefault(name, value)
+
+
+def trl_config(args, completions: int):
     import torch
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    model_dir = build_model_dir(args.shape, args.root)
-    rng = random.Random(0)
-    prompts = [
-        "".join(rng.choice("0123456789") for _ in range(args.prompt_len)) for _ in range(args.prompts * args.steps)
-    ]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.pad_token = tokenizer.eos_token
-    completions = args.prompts * args.group
-    config = GRPOConfig(
+    fixed = {"min_tokens" if args.vllm else "min_new_tokens": args.response_len} if args.lengths == "fixed" else {}
+    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                vllm_importance_sampling_correction=args.vllm_is_correction) if args.vllm else dict(use_vllm=False)
+    return GRPOConfig(
         output_dir=str(args.root / "trl-out"),
         per_device_train_batch_size=args.micro,
         gradient_accumulation_steps=completions // args.micro,
         num_generations=args.group,
         max_completion_length=args.response_len,
-        generation_kwargs={"min_new_tokens": args.response_len},
+        generation_kwargs=fixed,
         temperature=1.0,
         beta=args.beta,
         gradient_checkpointing=args.gradient_checkpointing,
@@ -116,49 +140,79 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         save_strategy="no",
-        use_vllm=False,
         shuffle_dataset=False,
         seed=0,
+        **vllm,
     )
+
+
+def main() -> None:
+    args = parse_args()
+    lengths = workload_lengths(args, args.prompts * args.group)
+    if args.vllm:
+        single_process_environment()
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    model_dir = build_model_dir(args.shape, args.root)
+    prompts = digit_prompts(args.prompts * args.steps, args.prompt_len)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.eos_token
+    completions = args.prompts * args.group
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=str(model_dir),
         reward_funcs=random_rewards,
-        args=config,
+        args=trl_config(args, completions),
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
         callbacks=[timer],
     )
-    generation = GenerateTimer(trainer.model.generate)
-    trainer.model.generate = generation
+    if args.vllm:
+        llm = trainer.vllm_generation.llm
+        if lengths:
+            llm.generate = ForcedLengths(llm.generate, lengths)
+        generation = GenerateTimer(llm.generate)
+        llm.generate = generation
+    else:
+        generation = GenerateTimer(trainer.model.generate)
+        trainer.model.generate = generation
     trainer.train()
+    figures = summarize(args, timer, generation, trainer, completions)
+    print(
+        f"TRL GRPO step: {args.shape}, {'vLLM colocate' if args.vllm else 'HF generate'}, {args.prompts}x{args.group} "
+        f"completions ({args.lengths}, up to {args.response_len} tokens), beta {args.beta}, micro-batch {args.micro}, "
+        f"gradient checkpointing {args.gradient_checkpointing}: median step {figures['step_s']:.3f} s "
+        f"(all: {', '.join(f'{t:.2f}' for t in timer.times)}); peak {figures['peak_gib']:.1f} GiB"
+    )
+    print(
+        f"  generate {figures['generate_s']:.3f} s ({figures['rollout_tokens_per_s']:.0f} tokens/s), the rest of "
+        f"the step {figures['rest_s']:.3f} s ({figures['train_tokens_per_s']:.0f} training tokens/s)"
+    )
+    write_result(args.json, args.label, figures, args)
+
+
+def summarize(args, timer: StepTimer, generation: GenerateTimer, trainer, completions: int) -> dict:
+    import torch
+
     step = _median_after_first(timer.times)
     generate = _median_after_first(generation.times) if len(generation.times) == len(timer.times) else float("nan")
-    samples, seq = completions, args.prompt_len + args.response_len
-    logs = [r for r in trainer.state.log_history if "loss" in r or "reward" in r]
-    figures = {
+    lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
+    response = lengths[-1] if lengths else float(args.response_len)
+    tokens = completions * (args.prompt_len + response)
+    return {
         "step_s": step,
         "generate_s": generate,
         "rest_s": step - generate,
-        "rollout_tokens_per_s": samples * args.response_len / generate,
-        "train_tokens_per_s": samples * seq / (step - generate),
+        "response_len_mean": response,
+        "rollout_tokens_per_s": completions * response / generate,
+        "train_tokens_per_s": tokens / (step - generate),
         "steps_s": timer.times,
         "generate_calls_s": generation.times,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
-        "log_keys": sorted({k for r in logs for k in r}),
+        "log_keys": sorted({k for r in trainer.state.log_history for k in r}),
     }
-    print(
-        f"TRL GRPO step: {args.shape}, {args.prompts}x{args.group} completions of {args.response_len} tokens, "
-        f"beta {args.beta}, micro-batch {args.micro}, gradient checkpointing {args.gradient_checkpointing}: "
-        f"median step {step:.3f} s (all: {', '.join(f'{t:.2f}' for t in timer.times)}); "
-        f"peak {figures['peak_gib']:.1f} GiB"
-    )
-    print(
-        f"  generate {generate:.3f} s ({figures['rollout_tokens_per_s']:.0f} tokens/s), the rest of the step "
-        f"{step - generate:.3f} s ({figures['train_tokens_per_s']:.0f} training tokens/s)"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
 
 
 def _median_after_first(times: list[float]) -> float:

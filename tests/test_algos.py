@@ -10,7 +10,7 @@ from rlkit.algos import clipped_policy_loss, grpo_advantages, kl_estimate, maske
 
 def test_grpo_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-    adv = grpo_advantages(rewards, group_size=4, eps=0.0)
+    adv = grpo_advantages(rewards, 4, eps=0.0)
     # group 1: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
     # group 2: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735
     s = math.sqrt(1 / 3)
@@ -229,7 +229,7 @@ def test_registry_sequence_estimators_broadcast_over_tokens():
         adv, ret = compute_advantages(name, x)
         torch.testing.assert_close(adv, per_seq.unsqueeze(1) * x.response_mask, msg=name)
         assert torch.equal(ret, adv)
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce++", "gae"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce++-baseline", "reinforce++", "gae"}
 
 
 def test_registry_token_estimators_whiten():
@@ -362,44 +362,3 @@ def test_kl_reward_penalty_and_explained_variance():
     assert explained_variance(torch.zeros(1, 3), returns, mask) == pytest.approx(0.0)
     # residuals [0.5, -0.5] (var 0.25) against returns [1, 3] (var 1)
     assert explained_variance(torch.tensor([[0.5, 3.5, 0.0]]), returns, mask) == pytest.approx(0.75)
-
-
-# -- aggregation -----------------------------------------------------------------------------------------
-
-
-def test_aggregation_modes_hand_computed():
-    from rlkit.algos import aggregate_loss
-
-    per_token = torch.tensor([[1.0, 2.0, 50.0], [3.0, 50.0, 50.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert aggregate_loss(per_token, mask, "token-mean").item() == pytest.approx(2.0)  # (1+2+3)/3
-    assert aggregate_loss(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(2.25)  # (1.5+3)/2
-    assert aggregate_loss(per_token, mask, "seq-mean-token-sum").item() == pytest.approx(1.0)  # (3+3)/(2*3)
-    assert aggregate_loss(per_token, mask, "seq-mean-token-sum", horizon=6).item() == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="valid modes"):
-        aggregate_loss(per_token, mask, "sum")
-
-
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_aggregation_matches_loop_reference_and_any_split(mode):
-    from rlkit.algos import aggregate_loss, loss_weights
-
-    mask = padded_mask(10, 6, seed=12)
-    mask[3] = 0.0  # an empty response counts in no mode
-    per_token = torch.randn(10, 6, generator=torch.Generator().manual_seed(13))
-    rows = [[per_token[b, t].item() for t in valid_positions(mask[b])] for b in range(10)]
-    rows = [r for r in rows if r]
-    if mode == "token-mean":
-        expected = sum(map(sum, rows)) / sum(map(len, rows))
-    elif mode == "seq-mean-token-mean":
-        expected = sum(sum(r) / len(r) for r in rows) / len(rows)
-    else:
-        expected = sum(sum(r) / 6 for r in rows) / len(rows)
-    whole = aggregate_loss(per_token, mask, mode)
-    assert whole.item() == pytest.approx(expected, abs=1e-6)
-    tokens, seqs = float(mask.sum()), float((mask.sum(1) > 0).sum())
-    split = sum(
-        (per_token[a:b] * loss_weights(mask[a:b], mode, num_tokens=tokens, num_seqs=seqs, horizon=6)).sum()
-        for a, b in ((0, 1), (1, 4), (4, 9), (9, 10))
-    )
-    assert split.item() == pytest.approx(whole.item(), abs=1e-6)

@@ -15,7 +15,7 @@ def make_batch(n=4, t=3) -> Batch:
         attention_mask=torch.ones(n, 2 + t, dtype=torch.long),
         response_mask=torch.tensor([[1.0, 1.0, 0.0]] * n),
         rollout_logprobs=torch.full((n, t), -1.0),
-        logprobs=torch.full((n, t), -1.5),
+        old_logprobs=torch.full((n, t), -1.5),
         group=torch.arange(n) // 2,
         finish_reason=["stop", "length"] * (n // 2),
         fields={"answer": [str(i) for i in range(n)]},
@@ -57,3 +57,17 @@ def test_weighted_rewards_sum():
     total, by_name = compute_rewards(terms, ["a", "b"], ["xy", "z"], {})
     assert total.tolist() == [2.5, 1.5]
     assert by_name["len"].tolist() == [2.0, 1.0]
+
+
+def test_gap_covers_only_the_rows_with_engine_logprobs():
+    """Rows 1 and 3 came back without engine log-probs (NaN): the gap and the table skip them, never NaN-poisoned."""
+    batch = make_batch()
+    batch.rollout_logprob_rows = torch.tensor([True, False, True, False])
+    batch.rollout_logprobs[~batch.rollout_logprob_rows] = torch.nan
+    batch.old_logprobs[2] = -1.25  # rows 0 and 2 checked: gaps 0.5 and 0.25 on their 2 tokens each
+    assert batch.logprob_gap_mean() == 0.375
+    df = batch.to_pandas()
+    assert df["logprob_gap_max"].tolist()[::2] == [0.5, 0.25] and df["logprob_gap_max"][1::2].isna().all()
+    assert df["rollout_logprob_mean"][1::2].isna().all() and df["rollout_logprob_mean"][0] == -1.0
+    batch.rollout_logprob_rows[:] = False
+    assert batch.logprob_gap_mean() is None

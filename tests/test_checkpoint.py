@@ -21,10 +21,10 @@ CONFIG = dict(
 def actor_weights() -> dict[str, torch.Tensor]:
     """On a worker: the actor's full weights (a collective)."""
     from rlkit.fsdp import iter_full_params
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    return dict(iter_full_params(context().state[STATE_KEY].actor.model))
+    return dict(iter_full_params(local_instance(PolicyWorker).actor.model))
 
 
 @pytest.mark.timeout(300)
@@ -51,7 +51,7 @@ def test_resume_is_exact(tmp_path):
     for name, value in expected.items():
         assert torch.equal(got[name], value), f"{name} differs after resume"
     assert history["reward/mean"].tolist() == expected_history["reward/mean"].tolist()
-    assert history["optim/lr"].tolist() == expected_history["optim/lr"].tolist()
+    assert history["actor/lr"].tolist() == expected_history["actor/lr"].tolist()
 
 
 @pytest.mark.timeout(300)
@@ -65,10 +65,10 @@ def test_hf_export_loads_without_rlkit_and_keep_last(tmp_path):
         ids = torch.tensor([[5, 6, 7, 8, 9]])
 
         def logits(ids):
-            from rlkit.runtime import context
-            from rlkit.trainer.policy_worker import STATE_KEY
+            from rlkit.runtime import local_instance
+            from rlkit.workers import PolicyWorker
 
-            model = context().state[STATE_KEY].actor.model
+            model = local_instance(PolicyWorker).actor.model
             with torch.no_grad():
                 return model(input_ids=ids).logits
 

@@ -56,7 +56,7 @@ def test_dashboard_steps_in_the_background_and_views_follow(cluster, tmp_path):
     assert not dash._step_button.disabled and dash._stop_button.disabled
     assert list(views["training"].history["step"]) == [1]
     assert len(views["rollouts"].batch) == 16
-    assert views["grad norms"].norms.global_norm == pytest.approx(trainer.history["grad/norm"].iloc[-1], rel=1e-5)
+    assert views["grad norms"].norms.global_norm == pytest.approx(trainer.history["actor/grad_norm"].iloc[-1], rel=1e-5)
     assert set(views["memory"].marks["step"]) == {1}
 
     dash.run(50)

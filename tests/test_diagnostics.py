@@ -85,7 +85,7 @@ def test_rollout_table_has_rank_terms_advantage_and_gap():
         attention_mask=torch.ones(4, 5, dtype=torch.long),
         response_mask=torch.tensor([[1.0, 1.0, 0.0]] * 4),
         rollout_logprobs=torch.tensor([[-1.0, -2.0, 0.0]] * 4),
-        logprobs=torch.tensor([[-1.5, -2.0, -9.0]] * 4),
+        old_logprobs=torch.tensor([[-1.5, -2.0, -9.0]] * 4),
         group=torch.tensor([0, 0, 1, 1]),
         rank=torch.tensor([0, 0, 1, 1]),
         finish_reason=["stop", "length", "stop", "stop"],

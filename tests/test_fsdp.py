@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from role_runs import assert_adam_step_matches, save_model_dir
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rlkit
@@ -12,11 +13,6 @@ from rlkit.models.logprobs import response_logprobs
 
 WIDTH = 4  # response tokens
 CLIP, KL, LR = 0.2, 0.05, 1e-3
-TINY_GRAD = 1e-6
-"""Gradient entries below this (before clipping, which scales them down further) are within a few
-hundred float-noise units of AdamW's eps = 1e-8, where its first step (about lr * g / (|g| + eps))
-turns a change in the order of a reduction (packed vs padded rows, micro-batch splits) into a visible
-change of the weight, or of its sign: such entries are held to within 2 * lr."""
 
 
 def small_model() -> Qwen2ForCausalLM:
@@ -48,18 +44,19 @@ def make_batch(n: int = 8) -> dict[str, torch.Tensor]:
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "response_mask": response_mask,
-        "logprobs": -4.5 + 0.5 * torch.randn(n, WIDTH, generator=gen),
+        "old_logprobs": -4.5 + 0.5 * torch.randn(n, WIDTH, generator=gen),
         "ref_logprobs": -4.2 + 0.5 * torch.randn(n, WIDTH, generator=gen),
         "advantages": torch.randn(n, generator=gen),
     }
 
 
-def config(version: int, micro: int) -> rlkit.GRPOConfig:
+def config(version: int, micro: int, max_tokens: int = 0) -> rlkit.GRPOConfig:
     return rlkit.GRPOConfig(
         clip_eps=CLIP,
         kl_coef=KL,
         micro_batch_size=micro,
-        rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH),
+        max_tokens_per_micro_batch=max_tokens,
+        rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH, max_prompt_tokens=6),
         optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5),
         fsdp=rlkit.FSDPConfig(version=version),
     )
@@ -71,16 +68,10 @@ class Reference:
     weights: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
     """Before clipping."""
-    lr: float = LR
 
     def assert_matches(self, weights: dict[str, torch.Tensor], label: str) -> None:
-        """Every weight as after the reference's AdamW step (entries with TINY_GRAD gradients: within 2 lr)."""
-        assert weights.keys() == self.weights.keys()
-        for name, ref in self.weights.items():
-            noise = self.grads[name].abs() < TINY_GRAD
-            got = weights[name]
-            torch.testing.assert_close(got[~noise], ref[~noise], rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
-            assert ((got[noise] - ref[noise]).abs() <= 2 * self.lr).all(), f"{label}: {name}"
+        """Every weight as after the reference's AdamW step (entries with float-noise gradients: within 2 lr)."""
+        assert_adam_step_matches(weights, self.weights, self.grads, LR, label)
 
 
 def reference_update() -> Reference:
@@ -89,7 +80,7 @@ def reference_update() -> Reference:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     logp, _ = response_logprobs(model, ids, mask, response_width=WIDTH, temperature=1.0)
-    per_token, _ = clipped_policy_loss(logp, batch["logprobs"], batch["advantages"], CLIP)
+    per_token, _ = clipped_policy_loss(logp, batch["old_logprobs"], batch["advantages"], CLIP)
     per_token = per_token + KL * kl_estimate(logp, batch["ref_logprobs"], "k3")
     mask = batch["response_mask"]
     loss = (per_token * mask).sum() / mask.sum()
@@ -100,25 +91,17 @@ def reference_update() -> Reference:
     return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads)
 
 
-def sharded_update(version: int, micro: int) -> dict:
-    """On a worker: the same update through rlkit's Actor, this rank holding half the batch."""
-    import torch.distributed as dist
+def sharded_update(model_dir: str, version: int, micro: int, max_tokens: int = 0) -> dict:
+    """On a worker: the same update through rlkit's PolicyWorker, this rank holding half the batch."""
+    from role_runs import policy_update
 
-    from rlkit.fsdp import build_mesh, iter_full_params
-    from rlkit.runtime import context
-    from rlkit.trainer.actor import STAT_NAMES, Actor
+    result = policy_update(model_dir, config(version, micro, max_tokens), make_batch())
+    return {"loss": result["metrics"]["actor/loss"], "weights": result["weights"]}
 
-    ctx = context()
-    cfg = config(version, micro)
-    actor = Actor(small_model(), build_mesh("cpu", ctx.world_size, cfg.fsdp), cfg)
-    half = make_batch()["input_ids"].shape[0] // ctx.world_size
-    shard = {k: v[ctx.rank * half : (ctx.rank + 1) * half] for k, v in make_batch().items()}
-    sums, _ = actor.train_step(shard)
-    dist.all_reduce(sums)
-    return {
-        "loss": dict(zip(STAT_NAMES, sums.tolist(), strict=True))["loss"],
-        "weights": dict(iter_full_params(actor.model)),
-    }
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
 
 
 @pytest.fixture(scope="module")
@@ -129,25 +112,33 @@ def cluster():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("version", [2, 1])
-def test_sharded_update_equals_unsharded_reference(cluster, version):
+def test_sharded_update_equals_unsharded_reference(cluster, model_dir, version):
     reference = reference_update()
-    results = cluster.run(sharded_update, version, 64)
+    results = cluster.run(sharded_update, model_dir, version, 64)
     for rank, result in enumerate(results):
         assert result["loss"] == pytest.approx(reference.loss, rel=1e-5, abs=1e-6)
         reference.assert_matches(result["weights"], f"rank {rank}")
 
 
 @pytest.mark.timeout(120)
-def test_gradient_accumulation_invariance(cluster):
-    """1 micro-batch of 4 per rank (8 in all) and micro-batches of 1 give the same update (the reference's:
-    rows packed 4 at a time round differently from rows alone, which AdamW's first step amplifies on
-    gradients at noise level, so those entries are held as :meth:`Reference.assert_matches` holds them)."""
-    whole = cluster.run(sharded_update, 2, 4)[0]
-    accumulated = cluster.run(sharded_update, 2, 1)[0]
+def test_gradient_accumulation_invariance(cluster, model_dir):
+    """1 micro-batch of 4 per rank (8 in all) and micro-batches of 1 give the same update."""
+    whole = cluster.run(sharded_update, model_dir, 2, 4)[0]
+    accumulated = cluster.run(sharded_update, model_dir, 2, 1)[0]
     assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    for name, value in whole["weights"].items():
+        torch.testing.assert_close(accumulated["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_token_budget_micro_batches_give_the_update_of_one_big_batch(cluster, model_dir):
+    """Micro-batches of at most 10 or 20 real tokens (rows of 8 to 10: 1 or 2 rows each, reordered longest first)
+    give the update of the whole batch in one micro-batch."""
     reference = reference_update()
-    reference.assert_matches(whole["weights"], "micro-batch 4")
-    reference.assert_matches(accumulated["weights"], "micro-batch 1")
+    for budget in (10, 20):
+        for rank, result in enumerate(cluster.run(sharded_update, model_dir, 2, 64, budget)):
+            assert result["loss"] == pytest.approx(reference.loss, rel=1e-5, abs=1e-6), f"budget {budget}"
+            reference.assert_matches(result["weights"], f"budget {budget}, rank {rank}")
 
 
 @pytest.mark.timeout(120)
@@ -161,24 +152,15 @@ def test_gradient_accumulation_invariance(cluster):
     ],
     ids=["fsdp2-no_shard", "fsdp2-hybrid", "fsdp1-no_shard", "fsdp1-grad_op"],
 )
-def test_other_strategies_match_reference(cluster, fsdp):
-    def run(fsdp):
-        import torch.distributed as dist
+def test_other_strategies_match_reference(cluster, model_dir, fsdp):
+    def run(model_dir, fsdp):
+        from role_runs import policy_update
 
-        from rlkit.fsdp import build_mesh, iter_full_params
-        from rlkit.runtime import context
-        from rlkit.trainer.actor import Actor
-
-        ctx = context()
         cfg = dataclasses.replace(config(fsdp.version, 64), fsdp=fsdp)
-        actor = Actor(small_model(), build_mesh("cpu", ctx.world_size, fsdp), cfg)
-        shard = {k: v[ctx.rank * 4 : (ctx.rank + 1) * 4] for k, v in make_batch().items()}
-        actor.train_step(shard)
-        dist.barrier()
-        return dict(iter_full_params(actor.model))
+        return policy_update(model_dir, cfg, make_batch())["weights"]
 
     reference = reference_update()
-    for rank, weights in enumerate(cluster.run(run, fsdp)):
+    for rank, weights in enumerate(cluster.run(run, model_dir, fsdp)):
         reference.assert_matches(weights, f"rank {rank}")
 
 
@@ -192,9 +174,12 @@ def test_cluster_dependent_config_problems():
 
 
 def test_lr_schedule():
-    from rlkit.trainer.optim import lr_factor
+    from rlkit.workers.optim import lr_factor
 
     warm = [lr_factor(s, warmup=4, total=10, schedule="constant", min_ratio=0.0) for s in range(6)]
     assert warm == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     cos = [lr_factor(s, warmup=0, total=5, schedule="cosine", min_ratio=0.1) for s in range(5)]
     assert cos[0] == pytest.approx(1.0) and cos[2] == pytest.approx(0.55) and cos[4] == pytest.approx(0.1)
+    kinds = ("cosine", "constant")
+    past = [lr_factor(s, warmup=0, total=5, schedule=kind, min_ratio=0.1) for kind in kinds for s in (5, 50)]
+    assert past == pytest.approx([0.1, 0.1, 1.0, 1.0])  # past the schedule: its last value, held

@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+from role_runs import save_model_dir
 
 import rlkit
 from tests.test_vllm import skip_syncs
@@ -11,18 +12,11 @@ from tests.test_vllm import skip_syncs
 pytestmark = pytest.mark.gpu
 
 
-def update_and_gather(version: int) -> dict:
-    """On a worker: one bf16-compute FSDP update of a small Qwen2 on this rank's half of a batch."""
-    import torch.distributed as dist
+def small_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlkit.fsdp import build_mesh, iter_full_params
-    from rlkit.runtime import context
-    from rlkit.trainer.actor import STAT_NAMES, Actor
-
-    ctx = context()
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(
+    return Qwen2ForCausalLM(
         Qwen2Config(
             vocab_size=512,
             hidden_size=256,
@@ -32,25 +26,31 @@ def update_and_gather(version: int) -> dict:
             num_key_value_heads=2,
             max_position_embeddings=64,
         )
-    ).to(ctx.device)
+    )
+
+
+def update_and_gather(model_dir: str, version: int) -> dict:
+    """On a worker: one bf16-compute FSDP update of a small Qwen2 on this rank's half of a batch."""
+    from role_runs import policy_update
+
+    from rlkit.runtime import context
+
+    ctx = context()
     cfg = rlkit.GRPOConfig(rollout=rlkit.RolloutConfig(max_new_tokens=8), fsdp=rlkit.FSDPConfig(version=version))
-    actor = Actor(model, build_mesh("cuda", ctx.world_size, cfg.fsdp), cfg)
-    gen = torch.Generator().manual_seed(ctx.rank)
-    n = 8
-    shard = {
+    gen = torch.Generator().manual_seed(0)
+    n = 8 * ctx.world_size
+    batch = {
         "input_ids": torch.randint(0, 512, (n, 24), generator=gen),
         "attention_mask": torch.ones(n, 24, dtype=torch.long),
         "response_mask": torch.ones(n, 8),
-        "logprobs": torch.full((n, 8), -6.0),
-        "advantages": torch.randn(n, generator=gen),
+        "old_logprobs": torch.full((n, 8), -6.0),
+        "advantages": torch.randn(n, 8, generator=gen),
     }
-    sums, norm = actor.train_step({k: v.to(ctx.device) for k, v in shard.items()})
-    dist.all_reduce(sums)
-    weights = dict(iter_full_params(actor.model))
+    result = policy_update(model_dir, cfg, batch)
     return {
-        "loss": dict(zip(STAT_NAMES, sums.tolist(), strict=True))["loss"],
-        "norm": norm,
-        "checksums": {k: v.double().sum().item() for k, v in weights.items()},
+        "loss": result["metrics"]["actor/loss"],
+        "norm": result["metrics"]["actor/grad_norm"],
+        "checksums": {k: v.double().sum().item() for k, v in result["weights"].items()},
         "backend": ctx.backend,
     }
 
@@ -58,9 +58,10 @@ def update_and_gather(version: int) -> dict:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("version", [2, 1])
-def test_two_gpu_update_agrees_across_ranks(version):
+def test_two_gpu_update_agrees_across_ranks(tmp_path, version):
+    model_dir = save_model_dir(small_qwen2(), tmp_path)
     with rlkit.launch(world_size=2, device="cuda") as cluster:
-        first, second = cluster.run(update_and_gather, version)
+        first, second = cluster.run(update_and_gather, model_dir, version)
     assert first["backend"] == "nccl"
     assert first["loss"] == second["loss"] and first["norm"] == second["norm"]
     assert first["checksums"] == second["checksums"]

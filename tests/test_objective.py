@@ -7,10 +7,18 @@ would be wrong).
 
 import pytest
 import torch
-from test_fsdp import WIDTH, Reference, small_model
+from role_runs import assert_adam_step_matches, save_model_dir
+from test_fsdp import WIDTH, small_model
 
 import rlkit
-from rlkit.algos import aggregate_loss, clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_estimate
+from rlkit.algos import (
+    aggregate_loss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    entropy_from_logits,
+    kl_estimate,
+    masked_mean,
+)
 from rlkit.models.logprobs import response_logits, token_logprobs
 
 TEMPERATURE = 0.7
@@ -28,7 +36,7 @@ def make_batch(n: int = 8) -> dict[str, torch.Tensor]:
         "input_ids": torch.randint(1, 64, (n, 6 + WIDTH), generator=gen),
         "attention_mask": attention_mask,
         "response_mask": response_mask,
-        "logprobs": -4.5 + 0.5 * torch.randn(n, WIDTH, generator=gen),
+        "old_logprobs": -4.5 + 0.5 * torch.randn(n, WIDTH, generator=gen),
         "ref_logprobs": -4.2 + 0.5 * torch.randn(n, WIDTH, generator=gen),
         "advantages": torch.randn(n, WIDTH, generator=gen) * response_mask,
         "values": 0.3 * torch.randn(n, WIDTH, generator=gen),
@@ -47,43 +55,35 @@ def config(mode: str, micro: int, fsdp_version: int = 2) -> rlkit.PPOConfig:
     )
 
 
-def policy_reference(mode: str) -> Reference:
+def policy_reference(mode: str) -> tuple[float, float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The whole batch in one process: per-token PPO loss + k2 KL - entropy bonus, aggregated by ``mode``."""
     model, batch = small_model(), make_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     logits = response_logits(model, batch["input_ids"], batch["attention_mask"], WIDTH).float() / TEMPERATURE
     logp = token_logprobs(logits, batch["input_ids"][:, -WIDTH:], 1.0)
-    per_token, _ = clipped_policy_loss(logp, batch["logprobs"], batch["advantages"], 0.2, clip_high=0.28, dual_clip=3.0)
+    per_token, clipped = clipped_policy_loss(
+        logp, batch["old_logprobs"], batch["advantages"], 0.2, clip_high=0.28, dual_clip=3.0
+    )
     per_token = per_token + 0.05 * kl_estimate(logp, batch["ref_logprobs"], "k2") - 0.01 * entropy_from_logits(logits)
     loss = aggregate_loss(per_token, batch["response_mask"], mode)
-    return stepped(model, optimizer, loss)
-
-
-def stepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float = 1e-3):
-    """Backward, clip to 0.5, one step; the loss, updated weights and unclipped gradients."""
     loss.backward()
     grads = {k: v.grad.clone() for k, v in model.named_parameters()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optimizer.step()
-    return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads, lr)
+    clipfrac = masked_mean(clipped, batch["response_mask"]).item()
+    return loss.item(), clipfrac, {k: v.detach() for k, v in model.named_parameters()}, grads
 
 
-def sharded_policy_update(mode: str, micro: int, policy_loss_fn=None) -> dict:
-    """On a worker: the same update through rlkit's Actor, this rank holding half the batch."""
-    import torch.distributed as dist
+def sharded_policy_update(model_dir: str, mode: str, micro: int, policy_loss_fn=None) -> dict:
+    """On a worker: the same update through rlkit's PolicyWorker, this rank holding half the batch."""
+    from role_runs import policy_update
 
-    from rlkit.fsdp import build_mesh, iter_full_params
-    from rlkit.runtime import context
-    from rlkit.trainer.actor import STAT_NAMES, Actor
+    return policy_update(model_dir, config(mode, micro), make_batch(), policy_loss_fn)
 
-    ctx = context()
-    cfg = config(mode, micro)
-    actor = Actor(small_model(), build_mesh("cpu", ctx.world_size, cfg.fsdp), cfg, policy_loss_fn)
-    half = 8 // ctx.world_size
-    shard = {k: v[ctx.rank * half : (ctx.rank + 1) * half] for k, v in make_batch().items()}
-    sums, _ = actor.train_step(shard)
-    dist.all_reduce(sums)
-    return {"stats": dict(zip(STAT_NAMES, sums.tolist(), strict=True)), "weights": dict(iter_full_params(actor.model))}
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
 
 
 @pytest.fixture(scope="module")
@@ -92,20 +92,29 @@ def cluster():
         yield c
 
 
+def assert_weights_close(got: dict, expected: dict, label: str) -> None:
+    assert got.keys() == expected.keys()
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_policy_update_matches_reference_in_every_mode_and_split(cluster, mode):
-    reference = policy_reference(mode)
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+)
+def test_policy_update_matches_reference_in_every_mode_and_split(cluster, model_dir, mode):
+    ref_loss, ref_clipfrac, ref_weights, ref_grads = policy_reference(mode)
+    assert 0 < ref_clipfrac < 1
     for micro in (1, 3):
-        for rank, result in enumerate(cluster.run(sharded_policy_update, mode, micro)):
-            label = f"{mode} micro={micro} rank={rank}"
-            assert result["stats"]["loss"] == pytest.approx(reference.loss, rel=1e-5, abs=1e-6), label
-            reference.assert_matches(result["weights"], label)
-            assert result["stats"]["tokens"] == make_batch()["response_mask"].sum().item()
+        for rank, result in enumerate(cluster.run(sharded_policy_update, model_dir, mode, micro)):
+            metrics, label = result["metrics"], f"{mode} micro={micro} rank={rank}"
+            assert metrics["actor/loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), label
+            assert metrics["actor/clipfrac"] == pytest.approx(ref_clipfrac, rel=1e-6), label
+            assert_adam_step_matches(result["weights"], ref_weights, ref_grads, 1e-3, label)
 
 
 @pytest.mark.timeout(120)
-def test_custom_policy_loss_travels_by_value(cluster):
+def test_custom_policy_loss_travels_by_value(cluster, model_dir):
     def reinforce(logprobs, old_logprobs, advantages, response_mask):  # defined here: pickled by value
         return -advantages * logprobs, torch.zeros_like(logprobs)
 
@@ -115,31 +124,37 @@ def test_custom_policy_loss_travels_by_value(cluster):
     logp = token_logprobs(logits, batch["input_ids"][:, -WIDTH:], 1.0)
     per_token = -batch["advantages"] * logp + 0.05 * kl_estimate(logp, batch["ref_logprobs"], "k2")
     per_token = per_token - 0.01 * entropy_from_logits(logits)
-    reference = stepped(model, optimizer, aggregate_loss(per_token, batch["response_mask"], "token-mean"))
-    for rank, result in enumerate(cluster.run(sharded_policy_update, "token-mean", 2, reinforce)):
-        reference.assert_matches(result["weights"], f"rank {rank}")
-        assert result["stats"]["clipped"] == 0.0
+    aggregate_loss(per_token, batch["response_mask"], "token-mean").backward()
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    expected = {k: v.detach() for k, v in model.named_parameters()}
+    for rank, result in enumerate(cluster.run(sharded_policy_update, model_dir, "token-mean", 2, reinforce)):
+        assert_adam_step_matches(result["weights"], expected, grads, 1e-3, f"rank {rank}")
+        assert result["metrics"]["actor/clipfrac"] == 0.0
 
 
 def test_custom_policy_loss_with_wrong_shape_is_named():
-    from rlkit.trainer.objective import PolicyObjective
+    from rlkit.algos import PolicyObjective, policy_objective
 
     def per_sequence(logprobs, old_logprobs, advantages, response_mask):
         return (-advantages * logprobs).sum(1), torch.zeros(logprobs.shape[0])
 
     batch = make_batch()
-    micro = {k: batch[k] for k in ("response_mask", "logprobs", "advantages")}
-    objective = PolicyObjective(config("token-mean", 8), per_sequence)
+    objective = PolicyObjective(policy_loss_fn=per_sequence)
     expected = r"policy_loss_fn 'per_sequence' must return \(loss, clipped\).*got \(\[8\], \[8\]\)"
     with pytest.raises(ValueError, match=expected):
-        objective(torch.zeros(8, WIDTH), torch.zeros(8, WIDTH), micro, torch.ones(8, WIDTH))
+        policy_objective(
+            torch.zeros(8, WIDTH), batch["old_logprobs"], batch["advantages"], batch["response_mask"],
+            torch.ones(8, WIDTH), objective,
+        )  # fmt: skip
 
 
-def save_small_model(directory: str) -> None:
-    small_model().save_pretrained(directory)
+def save_small_model(directory) -> None:
+    save_model_dir(small_model(), directory)
 
 
-def critic_reference(model_dir) -> tuple[torch.Tensor, Reference]:
+def critic_reference(model_dir) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
     """Rollout-time values, the clipped value loss (token-mean) and the weights after one AdamW step, in one process."""
     from rlkit.models.value import load_value_model, response_values
 
@@ -152,39 +167,30 @@ def critic_reference(model_dir) -> tuple[torch.Tensor, Reference]:
     values = response_values(model, batch["input_ids"], batch["attention_mask"], response_width=WIDTH)
     per_token, _ = clipped_value_loss(values, batch["values"], batch["returns"], 0.1)
     loss = aggregate_loss(per_token, batch["response_mask"], "token-mean")
-    return rollout_values, stepped(model, optimizer, loss, lr=2e-3)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    return rollout_values, loss.item(), {k: v.detach() for k, v in model.named_parameters()}
 
 
 def sharded_critic(model_dir: str, micro: int, fsdp_version: int) -> dict:
-    """On a worker: rlkit's Critic on this rank's half: its values, one train step, the gathered weights."""
-    import torch.distributed as dist
+    """On a worker: rlkit's CriticWorker on this rank's half: its values, one update, the gathered weights."""
+    from role_runs import critic_run
 
-    from rlkit.fsdp import iter_full_params
-    from rlkit.runtime import context
-    from rlkit.trainer.critic import CRITIC_STATS, Critic
-
-    ctx = context()
-    critic = Critic(config("token-mean", micro, fsdp_version), model_dir)
-    shard = {k: v[ctx.rank * 4 : (ctx.rank + 1) * 4] for k, v in make_batch().items()}
-    values = critic.values(shard["input_ids"], shard["attention_mask"])
-    keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
-    sums, _ = critic.train_step({k: shard[k] for k in keys})
-    dist.all_reduce(sums)
-    stats = dict(zip(CRITIC_STATS, sums.tolist(), strict=True))
-    return {"values": values, "stats": stats, "weights": dict(iter_full_params(critic.model))}
+    return critic_run(model_dir, config("token-mean", micro, fsdp_version), make_batch())
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("fsdp_version", [2, 1])
 def test_critic_values_and_update_match_reference(cluster, tmp_path, fsdp_version):
     save_small_model(tmp_path)
-    ref_values, reference = critic_reference(tmp_path)
+    ref_values, ref_loss, ref_weights = critic_reference(tmp_path)
     for micro in (4, 1):
         results = cluster.run(sharded_critic, str(tmp_path), micro, fsdp_version)
         mask = make_batch()["response_mask"]
         values = torch.cat([r["values"] for r in results])
         torch.testing.assert_close(values * mask, ref_values * mask, rtol=1e-5, atol=1e-6)
         for rank, result in enumerate(results):
-            assert result["stats"]["loss"] == pytest.approx(reference.loss, rel=1e-5), f"micro={micro} rank={rank}"
-            assert 0 < result["stats"]["clipped"] < mask.sum().item()
-            reference.assert_matches(result["weights"], f"critic fsdp{fsdp_version} micro={micro} rank={rank}")
+            assert result["metrics"]["critic/loss"] == pytest.approx(ref_loss, rel=1e-5), f"micro={micro} rank={rank}"
+            assert 0 < result["metrics"]["critic/value_clipfrac"] < 1
+            assert_weights_close(result["weights"], ref_weights, f"critic fsdp{fsdp_version} micro={micro} rank={rank}")

@@ -63,13 +63,13 @@ def test_logprobs_entropy_and_gradients_match_the_plain_padded_path(tiny, paddin
 
 
 def test_weights_after_adamw_match(tiny):
-    """Held like tests/test_fsdp.py's Reference: entries of noise-level gradient to within 2 lr."""
-    from test_fsdp import Reference
+    """Held as the sharded tests hold them: entries of noise-level gradient to within 2 lr."""
+    from role_runs import assert_adam_step_matches
 
     ids, mask = rows(tiny.config.vocab_size, seed=1)
     start = {k: v.detach().clone() for k, v in tiny.named_parameters()}
 
-    def step(padding_free: bool) -> Reference:
+    def step(padding_free: bool) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         tiny.zero_grad()
         optimizer = torch.optim.AdamW(tiny.parameters(), lr=1e-3)
         lp, ent = response_logprobs(
@@ -84,12 +84,12 @@ def test_weights_after_adamw_match(tiny):
         with torch.no_grad():
             for k, v in tiny.named_parameters():
                 v.copy_(start[k])
-        return Reference(loss.item(), weights, grads, lr=1e-3)
+        return loss.item(), weights, grads
 
-    padded, packed = step(False), step(True)
-    assert packed.loss == pytest.approx(padded.loss, rel=1e-5)
-    padded.assert_matches(packed.weights, "packed")
-    for name, value in padded.weights.items():
+    (loss, padded, grads), (packed_loss, packed, _) = step(False), step(True)
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    assert_adam_step_matches(packed, padded, grads, 1e-3, "packed")
+    for name, value in padded.items():
         assert (value - start[name]).abs().max() > 1e-4, f"{name} did not move"
 
 

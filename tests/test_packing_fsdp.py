@@ -4,7 +4,7 @@ checkpointing) against one unsharded padded process: loss, gradient norm, gradie
 import pytest
 import torch
 from packing_cases import LENGTHS, TEMPERATURE, WIDTH, reference_logprobs, rows, weighted_loss
-from test_fsdp import Reference
+from role_runs import assert_adam_step_matches
 
 import rlkit
 from rlkit.models import load_causal_lm, resolve_model_dir
@@ -16,7 +16,7 @@ def tiny_model():
     return load_causal_lm(resolve_model_dir("tiny"), dtype=torch.float32, device=torch.device("cpu"))
 
 
-def reference_step() -> tuple[Reference, float]:
+def reference_step() -> dict:
     """The whole batch in one process on padded rows through the plain path, one AdamW step."""
     model = tiny_model()
     ids, mask = rows(model.config.vocab_size)
@@ -26,7 +26,8 @@ def reference_step() -> tuple[Reference, float]:
     grads = {k: v.grad.clone() for k, v in model.named_parameters()}
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
     torch.optim.AdamW(model.parameters(), lr=LR).step()
-    return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads, LR), norm
+    weights = {k: v.detach() for k, v in model.named_parameters()}
+    return {"loss": loss.item(), "norm": norm, "grads": grads, "weights": weights}
 
 
 def sharded_step(fsdp: dict, padding_free: bool) -> dict:
@@ -52,7 +53,7 @@ def sharded_step(fsdp: dict, padding_free: bool) -> dict:
         padding_free=padding_free, entropy="grad",
     )
     loss = weighted_loss(logprobs, entropy, mask, half)
-    (loss * ctx.world_size).backward()  # FSDP averages gradients over ranks; the losses add up
+    loss.backward()  # apply_fsdp sums gradients over ranks, as the ranks' losses add up
     grads = {k: v.grad.full_tensor() for k, v in model.named_parameters() if isinstance(v.grad, DTensor)}
     norm = clip_grad_norm(model, max_norm=0.0)
     optimizer.step()
@@ -85,16 +86,15 @@ CASES = [
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("fsdp", "padding_free"), CASES, ids=[f"{f}-packed={p}" for f, p in CASES])
 def test_sharded_update_matches_the_padded_reference(cluster, reference, fsdp, padding_free):
-    expected, expected_norm = reference
     for rank, result in enumerate(cluster.run(sharded_step, fsdp, padding_free)):
         label = f"{fsdp} padding_free={padding_free} rank {rank}"
         assert result["calls"] == (2 if fsdp.get("activation_checkpointing") else 1), label
-        assert result["loss"] == pytest.approx(expected.loss, rel=1e-5), label
-        assert result["norm"] == pytest.approx(expected_norm, rel=1e-5), label
-        assert len(result["grads"]) == (len(expected.grads) if fsdp["version"] == 2 else 0)
+        assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5), label
+        assert result["norm"] == pytest.approx(reference["norm"], rel=1e-5), label
+        assert len(result["grads"]) == (len(reference["grads"]) if fsdp["version"] == 2 else 0)
         for name, grad in result["grads"].items():
-            torch.testing.assert_close(grad, expected.grads[name], atol=2e-6, rtol=1e-4, msg=f"{label}: {name}")
-        expected.assert_matches(result["weights"], label)
+            torch.testing.assert_close(grad, reference["grads"][name], atol=2e-6, rtol=1e-4, msg=f"{label}: {name}")
+        assert_adam_step_matches(result["weights"], reference["weights"], reference["grads"], LR, label)
 
 
 def compiled_layout() -> dict:

@@ -10,12 +10,13 @@ from rlkit.algos import kl_estimate, outcome_token_rewards, rloo_advantages
 from rlkit.data.rewards import RewardError
 from rlkit.data.tasks import addition_reward
 from rlkit.models import resolve_model_dir
+from rlkit.runtime import WorkerDied
 
 ROLLOUT = rlkit.RolloutConfig(max_new_tokens=6)
 METRICS = [
-    "policy/clipfrac",
-    "policy/approx_kl",
-    "policy/entropy",
+    "actor/clipfrac",
+    "actor/approx_kl",
+    "actor/entropy",
     "critic/explained_variance",
     "critic/value_clipfrac",
     "critic/loss",
@@ -23,8 +24,8 @@ METRICS = [
     "reward/std",
     "response/length/mean",
     "response/length/max",
-    "grad/norm",
-    "optim/lr",
+    "actor/grad_norm",
+    "actor/lr",
     "critic/lr",
     "time/rollout",
     "time/score",
@@ -43,10 +44,10 @@ def cluster():
 def critic_weights() -> dict[str, torch.Tensor]:
     """On a worker: the critic's full weights (a collective)."""
     from rlkit.fsdp import iter_full_params
-    from rlkit.runtime import context
-    from rlkit.trainer.critic import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import CriticWorker
 
-    return dict(iter_full_params(context().state[STATE_KEY].model))
+    return dict(iter_full_params(local_instance(CriticWorker).critic.model))
 
 
 @pytest.mark.timeout(400)
@@ -67,7 +68,7 @@ def test_ppo_with_critic_raises_mean_reward(cluster):
     missing = [m for m in METRICS if m not in history]
     assert not missing, f"metrics missing from history: {missing}"
     assert history[METRICS].notna().all().all()
-    assert (history["policy/clipfrac"] > 0).any() and (history["policy/approx_kl"] > 0).any()
+    assert (history["actor/clipfrac"] > 0).any() and (history["actor/approx_kl"] > 0).any()
     assert (history["rollout/logprob_gap/max"] < 1e-3).all(), "engine and trainer log-probs disagree"
 
 
@@ -88,14 +89,14 @@ def test_ppo_phases_and_critic_resume(cluster, tmp_path):
     whitened = (raw[valid] - raw[valid].mean()) / raw[valid].std()
     torch.testing.assert_close(batch.advantages[valid], whitened, rtol=1e-4, atol=1e-5)
     # kl_mode="reward": every token's reward carries -kl_coef * KL(policy || reference), the last one the outcome too
-    from rlkit.trainer.estimate import advantage_inputs
+    from rlkit.trainer.advantages import advantage_inputs
 
     penalty = advantage_inputs(batch, config).token_rewards - outcome_token_rewards(batch.rewards, mask)
-    torch.testing.assert_close(penalty, -0.05 * kl_estimate(batch.logprobs, batch.ref_logprobs, "k3") * mask)
+    torch.testing.assert_close(penalty, -0.05 * kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3") * mask)
     assert penalty.abs().sum() > 0
     before = cluster.run(critic_weights)[0]
     stats = trainer.update(batch)
-    assert {"critic/loss", "critic/value_clipfrac", "policy/entropy"} <= stats.keys()
+    assert {"critic/loss", "critic/value_clipfrac", "actor/entropy"} <= stats.keys()
     after = cluster.run(critic_weights)
     assert all(not torch.equal(before[k], after[0][k]) for k in before), "the critic did not change"
     assert all(torch.equal(after[0][k], after[1][k]) for k in before), "ranks disagree on the critic"
@@ -193,10 +194,51 @@ def test_reward_errors_name_function_and_sample_and_lose_nothing(cluster):
     torch.testing.assert_close(batch.advantages, rloo_advantages(batch.rewards, 4).unsqueeze(1) * batch.response_mask)
 
 
+def break_reward_model_scoring(how: str) -> None:
+    """On a worker: the fault to inject. RewardModelWorker.score now raises on every rank (as a bad input
+    would: one rank alone raising would leave the others waiting in FSDP's collectives), or exits rank 1."""
+    import os
+
+    from rlkit.runtime import context
+    from rlkit.workers import RewardModelWorker
+
+    def exits(self, texts):
+        os._exit(3)
+
+    def raises(self, texts):
+        raise ValueError("planted failure in the reward model")
+
+    if how == "raise":
+        RewardModelWorker.score = raises
+    elif context().rank == 1:
+        RewardModelWorker.score = exits
+
+
+@pytest.mark.timeout(300)
+def test_reward_model_failures_a_rank_error_is_a_reward_error_a_dead_rank_is_worker_died(tmp_path):
+    build_reward_model(tmp_path)
+    config = rlkit.GRPOConfig(
+        model="tiny", seed=0, prompts_per_step=2, group_size=2, rollout=ROLLOUT,
+        reward_model=rlkit.RewardModelConfig(path=str(tmp_path)),
+    )  # fmt: skip
+    with rlkit.launch(world_size=2) as cluster:  # its own cluster: the second fault kills it
+        trainer = rlkit.Trainer(cluster, config)
+        batch = trainer.rollout()
+        cluster.run(break_reward_model_scoring, "raise")
+        with pytest.raises(RewardError, match="planted failure") as raised:
+            trainer.step(batch)
+        assert "Nothing is lost" in str(raised.value)
+        assert cluster.run(lambda: 1) == [1, 1], "a reward model that raised must leave the cluster usable"
+        cluster.run(break_reward_model_scoring, "exit")
+        with pytest.raises(WorkerDied) as died:
+            trainer.step(batch)
+        assert died.value.rank == 1 and "Nothing is lost" not in str(died.value)
+
+
 @pytest.mark.timeout(200)
 def test_grpo_family_settings_run_through_the_trainer(cluster):
     from rlkit.algos import compute_advantages
-    from rlkit.trainer.estimate import advantage_inputs
+    from rlkit.trainer.advantages import advantage_inputs
 
     config = rlkit.GRPOConfig(
         model="tiny",
@@ -208,7 +250,7 @@ def test_grpo_family_settings_run_through_the_trainer(cluster):
         kl_coef=0.05,
         kl_mode="reward",
         kl_estimator="k1",
-        loss_agg="seq-mean-token-sum",
+        loss_agg="seq-mean-token-sum-norm",
         clip_high=0.28,
         dual_clip=3.0,
         entropy_coef=0.01,
@@ -222,5 +264,5 @@ def test_grpo_family_settings_run_through_the_trainer(cluster):
     batch = trainer.last_batch
     expected, returns = compute_advantages("reinforce++", advantage_inputs(batch, config))
     assert torch.equal(batch.advantages, expected) and torch.equal(batch.returns, returns)
-    assert row["kl/mean"] > 0 and row["policy/kl_loss"] == 0.0  # the KL is in the reward, not the loss
-    assert all(torch.isfinite(torch.tensor(v)) for k, v in row.items() if k.startswith(("policy/", "grad/")))
+    assert row["kl/mean"] > 0 and row["actor/kl_loss"] == 0.0  # the KL is in the reward, not the loss
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in row.items() if k.startswith(("actor/", "critic/")))

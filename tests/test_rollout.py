@@ -9,8 +9,8 @@ import torch
 from rlkit.data.batch import Batch
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model_dir
 from rlkit.models.logprobs import response_logprobs
-from rlkit.rollout import HFEngine, SamplingParams
-from rlkit.rollout.vllm import _buckets, _engine_environment, _flat_buckets
+from rlkit.rollout import HFEngine, SamplingParams, vllm_weights
+from rlkit.rollout.vllm import _engine_environment
 from rlkit.trainer.metrics import logprob_gap_warning
 
 PROMPTS = ["1+2=", "13+45=", "99+99=", "7+80="]
@@ -68,7 +68,7 @@ def test_hf_same_seed_same_completions(setup):
 
 def test_buckets_keep_order_and_names_and_cast():
     weights = [(f"w{i}", torch.full((4, 4), float(i), dtype=torch.float32)) for i in range(5)]  # 64 bytes each
-    buckets = list(_buckets(iter(weights), torch.bfloat16, max_bytes=64, device="cpu"))
+    buckets = list(vllm_weights.buckets(iter(weights), torch.bfloat16, max_bytes=64, device="cpu"))
     assert [list(b) for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]  # bf16: 32 bytes each
     flat = {k: v for b in buckets for k, v in b.items()}
     assert all(v.dtype == torch.bfloat16 and v.device.type == "cpu" for v in flat.values())
@@ -83,7 +83,7 @@ def gap_batch(gap: float) -> Batch:
     return Batch(
         prompts=["a", "b"], completions=["x", "y"], input_ids=torch.zeros(2, 5, dtype=torch.long),
         attention_mask=torch.ones(2, 5, dtype=torch.long), response_mask=mask, rollout_logprobs=rollout,
-        group=torch.tensor([0, 0]), finish_reason=["stop", "stop"], logprobs=trainer,
+        group=torch.tensor([0, 0]), finish_reason=["stop", "stop"], old_logprobs=trainer,
     )
 
 
@@ -105,7 +105,8 @@ def test_engine_processes_do_not_inherit_the_trainers_process_group(monkeypatch)
 
 def test_flat_buckets_lay_out_every_tensor_for_rebuilding():
     weights = [("w0", torch.randn(3, 5)), ("w1", torch.randn(7)), ("w2", torch.randn(2, 2, 4)), ("w3", torch.randn(1))]
-    buckets = list(_flat_buckets(iter(weights), torch.bfloat16, max_bytes=40))  # bf16: 30 + 14, then 32 + 2 bytes
+    # bf16: 30 + 14, then 32 + 2 bytes
+    buckets = list(vllm_weights.flat_buckets(iter(weights), torch.bfloat16, max_bytes=40))
     assert [[name for name, _, _ in layout] for _, layout in buckets] == [["w0", "w1"], ["w2", "w3"]]
     rebuilt = {
         name: buffer[start : start + math.prod(shape)].view(shape)

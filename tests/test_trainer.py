@@ -19,10 +19,10 @@ def full_weights(role: str) -> dict[str, torch.Tensor]:
     """On a worker: the actor's gathered full weights (or the rollout engine's own), by name."""
     from torch.distributed.tensor import DTensor
 
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    worker = context().state[STATE_KEY]
+    worker = local_instance(PolicyWorker)
     model = worker.actor.model if role == "actor" else worker.engine.model
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
@@ -89,13 +89,28 @@ def test_update_scores_the_rollout_when_the_logprob_pass_is_skipped(cluster):
         config = rlkit.GRPOConfig(**TINY, recompute_logprobs=recompute, optim=rlkit.OptimConfig(lr=1e-3))
         trainer = rlkit.Trainer(cluster, config)
         batch = trainer.advantages(trainer.score(trainer.rollout()))
-        assert (batch.logprobs is None) == (not recompute)
+        assert (batch.old_logprobs is None) == (not recompute)
         stats = trainer.update(batch)
         results[recompute] = (batch, stats)
     (full, full_stats), (skip, skip_stats) = results[True], results[False]
     assert torch.equal(full.input_ids, skip.input_ids), "the two trainers did not sample the same rollout"
     mask = skip.response_mask.bool()
-    torch.testing.assert_close(skip.logprobs[mask], full.logprobs[mask], atol=1e-5, rtol=0)
-    assert skip_stats["policy/loss"] == pytest.approx(full_stats["policy/loss"], abs=1e-6)
-    assert skip_stats["grad/norm"] == pytest.approx(full_stats["grad/norm"], rel=1e-4)
-    assert skip_stats["policy/clipfrac"] == 0.0 and skip_stats["policy/approx_kl"] == 0.0
+    torch.testing.assert_close(skip.old_logprobs[mask], full.old_logprobs[mask], atol=1e-5, rtol=0)
+    assert skip_stats["actor/loss"] == pytest.approx(full_stats["actor/loss"], abs=1e-6)
+    assert skip_stats["actor/grad_norm"] == pytest.approx(full_stats["actor/grad_norm"], rel=1e-4)
+    assert skip_stats["actor/clipfrac"] == 0.0 and skip_stats["actor/approx_kl"] == 0.0
+
+
+@pytest.mark.timeout(240)
+def test_steps_past_the_schedule_hold_its_last_lr_and_warn(cluster, caplog):
+    """The cosine schedule spans config.steps=3 optimizer steps; fit(5) runs two more at its floor, with a warning."""
+    import logging
+
+    optim = rlkit.OptimConfig(lr=1e-3, schedule="cosine", min_lr_ratio=0.1)
+    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**TINY, steps=3, optim=optim))
+    with caplog.at_level(logging.WARNING, logger="rlkit.trainer.trainer"):
+        history = trainer.fit(5, progress=False)
+    # actor/lr is the rate of the next optimizer step: factors 0.55 (halfway), then the floor 0.1, held
+    assert history["actor/lr"].tolist() == pytest.approx([5.5e-4, 1e-4, 1e-4, 1e-4, 1e-4])
+    warnings = [r.getMessage() for r in caplog.records if "past config.steps=3" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("step 4 ")

@@ -41,7 +41,7 @@ def test_short_fit_updates_every_rank_and_ranks_agree(backend, histories):
         history = trainer.fit(steps=2, progress=False)
         after = cluster.run(full_weights, "actor")
         engines = cluster.run(full_weights, "engine")
-    assert len(history) == 2 and history["grad/norm"].max() > 0  # weight_decay is 0: only gradients move weights
+    assert len(history) == 2 and history["actor/grad_norm"].max() > 0  # weight_decay is 0: only gradients move weights
     for name in before[0]:
         for rank in range(2):
             assert not torch.equal(before[rank][name], after[rank][name]), f"{name} unchanged on rank {rank}"

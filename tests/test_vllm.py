@@ -27,7 +27,7 @@ def grpo_config(engine: str = "vllm") -> rlkit.GRPOConfig:
         prompts_per_step=4,
         group_size=4,
         optim=rlkit.OptimConfig(lr=2e-3),
-        rollout=rlkit.RolloutConfig(engine=engine, max_new_tokens=6, max_logprob_gap=GAP_LIMIT),
+        rollout=rlkit.RolloutConfig(engine=engine, max_new_tokens=6, max_logprob_gap=GAP_LIMIT, engine_logprobs=1.0),
     )
 
 
@@ -49,16 +49,16 @@ def update_with_random_advantages(trainer: rlkit.Trainer) -> None:
     trainer.update(batch)
 
 
-def greedy_both(prompts: list[str]) -> dict[str, torch.Tensor]:
-    """On a worker: greedy completions of ``prompts`` from its vLLM engine and from HF generate on the
-    actor's current full weights (a collective: every rank gathers)."""
+def greedy_both(prompts: list[str], logprob_fraction: float = 1.0) -> dict[str, torch.Tensor]:
+    """On a worker: greedy completions of ``prompts`` from its vLLM engine (log-probs on ``logprob_fraction``
+    of the prompts) and from HF generate on the actor's current full weights (a collective: every rank gathers)."""
     from rlkit.fsdp import iter_full_params
     from rlkit.models import load_causal_lm, load_tokenizer
     from rlkit.rollout import HFEngine, SamplingParams
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    worker = context().state[STATE_KEY]
+    worker = local_instance(PolicyWorker)
     tok = load_tokenizer(worker.model_dir)
     hf = HFEngine(
         load_causal_lm(worker.model_dir, dtype=torch.float32, device=worker.device),
@@ -69,30 +69,35 @@ def greedy_both(prompts: list[str]) -> dict[str, torch.Tensor]:
     enc = tok(prompts, padding=True, return_tensors="pt")
     params = SamplingParams(n=1, max_new_tokens=6, temperature=0.0, top_p=1.0, seed=0)
     out = {}
-    for name, engine in (("vllm", worker.engine), ("hf", hf)):
-        gen = engine.generate(enc["input_ids"], enc["attention_mask"], params)
-        out[f"{name}_ids"], out[f"{name}_mask"], out[f"{name}_logprobs"] = (
-            gen.response_ids,
-            gen.response_mask,
-            gen.logprobs,
-        )
+    worker.engine.logprob_fraction, fraction = logprob_fraction, worker.engine.logprob_fraction
+    try:
+        for name, engine in (("vllm", worker.engine), ("hf", hf)):
+            gen = engine.generate(enc["input_ids"], enc["attention_mask"], params)
+            out[f"{name}_ids"], out[f"{name}_mask"], out[f"{name}_logprobs"], out[f"{name}_rows"] = (
+                gen.response_ids,
+                gen.response_mask,
+                gen.logprobs,
+                gen.logprob_rows,
+            )
+    finally:
+        worker.engine.logprob_fraction = fraction
     return out
 
 
 def sync() -> int:
     """On a worker: push the actor's weights into its engine."""
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    return context().state[STATE_KEY].sync_engine()
+    return local_instance(PolicyWorker).sync_engine()
 
 
 def skip_syncs(skip: bool) -> None:
     """On a worker: make weight syncs do nothing (skip=True) or restore them."""
-    from rlkit.runtime import context
-    from rlkit.trainer.policy_worker import STATE_KEY
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
 
-    worker = context().state[STATE_KEY]
+    worker = local_instance(PolicyWorker)
     if skip:
         worker.sync_engine = lambda: 0
     else:
@@ -129,6 +134,17 @@ def test_greedy_vllm_equals_hf_generate_after_sync(cluster, trainer):
 
 
 @pytest.mark.timeout(600)
+def test_engine_logprobs_on_a_fraction_of_the_prompts(cluster, trainer):
+    for r in cluster.run(greedy_both, PROMPTS, 0.25):
+        rows = r["vllm_rows"]
+        assert rows.tolist() == [True, False, False, False, True, False, False, False]  # 2 of 8, evenly spaced
+        assert r["hf_rows"].all() and torch.equal(r["vllm_ids"], r["hf_ids"])
+        assert r["vllm_logprobs"][~rows].isnan().all()
+        gap = ((r["vllm_logprobs"][rows] - r["hf_logprobs"][rows]).abs() * r["hf_mask"][rows]).max().item()
+        assert gap < 1e-4, f"log-probs of the chosen rows differ by {gap}"
+
+
+@pytest.mark.timeout(600)
 def test_update_then_sync_moves_vllm_to_the_trainer(cluster, trainer):
     before = cluster.run(greedy_both, PROMPTS)[0]
     update_with_random_advantages(trainer)
@@ -156,7 +172,7 @@ def test_skipped_sync_is_flagged_by_the_logprob_gap(cluster, trainer, caplog):
     assert row["rollout/logprob_gap/mean"] > GAP_LIMIT
     assert any("rollout.max_logprob_gap" in r.getMessage() for r in caplog.records), "no gap warning"
     synced = trainer.rollout()
-    gap = ((synced.logprobs - synced.rollout_logprobs).abs() * synced.response_mask).max().item()
+    gap = synced.logprob_gap_tokens().max().item()
     assert gap < 1e-4, f"a gap of {gap} stayed after the sync was restored"
 
 

@@ -181,7 +181,7 @@ def batch() -> Batch:
         attention_mask=torch.cat([torch.ones(4, 2, dtype=torch.long), response_mask.long()], dim=1),
         response_mask=response_mask,
         rollout_logprobs=rollout_lp,
-        logprobs=logprobs,
+        old_logprobs=logprobs,
         group=torch.tensor([0, 0, 1, 1]),
         rank=torch.tensor([0, 0, 1, 1]),
         finish_reason=["length", "stop"] * 2,

@@ -17,7 +17,7 @@ from rlkit.widgets.runner import Runner, Throttle
 from rlkit.widgets.sharding import ShardingView
 from rlkit.widgets.view import STYLE, table_html, write_page
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class Dashboard:
@@ -128,7 +128,7 @@ class Dashboard:
         try:
             self._refresh(full=error is None)
         except Exception as exc:  # the cluster may be gone: say so instead of dying in the thread
-            log.exception("dashboard refresh failed")
+            logger.exception("dashboard refresh failed")
             error = error or exc
         if error is not None:
             self._error.value = (

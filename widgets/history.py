@@ -11,8 +11,8 @@ SHOWN = [
     "reward/mean",
     "reward/std",
     "kl/mean",
-    "policy/loss",
-    "grad/norm",
+    "actor/loss",
+    "actor/grad_norm",
     "response/length/mean",
     "time/step",
 ]

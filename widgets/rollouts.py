@@ -26,6 +26,8 @@ LEGENDS = {
 def token_rgba(value: float, colouring: str, scale: float) -> str:
     """The background of a token: green/red by sign for advantages (relative to ``scale``), red for large gaps
     and unlikely tokens (absolute scales :data:`GAP_FULL`, :data:`LOGPROB_FULL`)."""
+    if not math.isfinite(value):  # no engine log-prob for this row
+        return "rgba(0,0,0,0.00)"
     if colouring == "advantage":
         alpha = min(1.0, abs(value) / scale) * 0.6 if scale > 0 else 0.0
         return f"rgba(0,150,0,{alpha:.2f})" if value >= 0 else f"rgba(210,0,0,{alpha:.2f})"
@@ -81,7 +83,7 @@ class RolloutView(View):
         b = self.batch
         if b is None:
             return []
-        have = {"advantage": b.advantages is not None, "logprob_gap": b.logprobs is not None, "logprob": True}
+        have = {"advantage": b.advantages is not None, "logprob_gap": b.old_logprobs is not None, "logprob": True}
         return [c for c in COLOURINGS if have[c]]
 
     def current_colouring(self) -> str | None:
@@ -97,7 +99,7 @@ class RolloutView(View):
             adv = b.advantages.float()
             return adv[:, None].expand_as(b.response_mask) if adv.dim() == 1 else adv
         if colouring == "logprob_gap":
-            return (b.logprobs - b.rollout_logprobs).abs()
+            return b.logprob_gap_tokens()
         return b.rollout_logprobs
 
     # -- rendering ----------------------------------------------------------------------------------

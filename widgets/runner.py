@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class _Stopped(Exception):
@@ -66,9 +66,9 @@ class Runner:
         try:
             self.trainer.fit(steps, progress=False, on_step=self._after_step)
         except _Stopped:
-            log.info("run stopped after step %d", self.trainer.steps_done)
+            logger.info("run stopped after step %d", self.trainer.steps_done)
         except Exception as exc:  # shown by on_end; the thread must not die silently
-            log.exception("run failed at step %d", self.trainer.steps_done + 1)
+            logger.exception("run failed at step %d", self.trainer.steps_done + 1)
             error = exc
         try:
             self.on_end(error)

@@ -1,10 +1,13 @@
 """Advantage estimators: plain functions on tensors, and a registry of them under one signature.
 
 Layout: B sequences of T response tokens; ``response_mask`` [B, T] is 1 on tokens the
-policy generated. Sequence-level estimators (GRPO, Dr.GRPO, RLOO) score each
-sequence by its summed token rewards; token-level ones (REINFORCE++, GAE) walk the
-tokens backwards and skip masked positions, so right padding and masked interior
-tokens (e.g. tool output) are both handled.
+policy generated. Group estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline) score each
+sequence by its summed token rewards and compare it with the other samples of its prompt,
+found by the group index (``AdvantageInputs.group``, ``Batch.group``), so rows may come in
+any order and groups may differ in size (each needs >= 2 samples). Token-level estimators
+(REINFORCE++, GAE) walk the tokens backwards and skip masked positions, so right padding and
+masked interior tokens (e.g. tool output) are both handled. Masked entries are dropped with
+``torch.where``, so NaN or inf in padding never reaches an advantage.
 """
 
 from __future__ import annotations
@@ -32,40 +35,99 @@ def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) ->
     return out * (response_mask > 0)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO group-relative advantages (Shao et al. 2024).
+def group_index(group: torch.Tensor | int, size: int) -> torch.Tensor:
+    """The [size] int64 group index of each row: ``group`` itself ([size] int64, any values, any order),
+    or for an int G, contiguous blocks (rows g*G .. (g+1)*G - 1 form group g; size must divide by G)."""
+    if isinstance(group, int):
+        if group < 1:
+            raise ValueError(f"group_size={group}: must be >= 1")
+        if size % group:
+            raise ValueError(f"rewards must be 1-D with a multiple of group_size={group} entries, got {size}")
+        return torch.arange(size) // group
+    if group.shape != (size,) or group.dtype.is_floating_point:
+        raise ValueError(f"group must be a [B] = [{size}] integer tensor of group indices, got {_describe(group)}")
+    return group.long()
+
+
+def _grouped(rewards: torch.Tensor, group: torch.Tensor | int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] float32 rewards, [B] dense group ids 0..G-1), checking that every group has >= 2 samples."""
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D ([B] one per completion), got {tuple(rewards.shape)}")
+    index = group_index(group, rewards.numel()).to(rewards.device)
+    ids, inverse, counts = torch.unique(index, return_inverse=True, return_counts=True)
+    small = ids[counts < 2].tolist()
+    if small:
+        raise ValueError(
+            f"{name} needs >= 2 samples per group; group(s) {small[:10]} have fewer "
+            "(sample group_size >= 2 completions per prompt and keep whole groups together)"
+        )
+    return rewards.float(), inverse
+
+
+def _group_sum(values: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """[B] each row's group total of ``values`` [B] (groups given by dense ids ``inverse``)."""
+    totals = torch.zeros(int(inverse.max()) + 1, dtype=values.dtype, device=values.device)
+    return totals.index_add_(0, inverse, values)[inverse]
+
+
+def _group_totals(rewards: torch.Tensor, group: torch.Tensor | int, name: str) -> tuple[torch.Tensor, ...]:
+    """(r, its group's size, its group's reward sum, dense group ids), each [B]."""
+    values, inverse = _grouped(rewards, group, name)
+    return values, _group_sum(torch.ones_like(values), inverse), _group_sum(values, inverse), inverse
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group: torch.Tensor | int, *, scale: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO group-relative advantages (Shao et al. 2024): (r - group mean) / (group std + eps).
 
     Args:
-        rewards: [B] one scalar reward per completion, where completions
-            ``g*group_size .. (g+1)*group_size - 1`` answer the same prompt.
-        group_size: completions per prompt (G); B must be a multiple of it.
-        scale: divide by the group's standard deviation (unbiased, as in the
-            DeepSeekMath paper); False gives Dr.GRPO's mean-centred form (Liu et al. 2025).
+        rewards: [B] one scalar reward per completion.
+        group: [B] int64 group index (completions of one prompt share it; any order, any group sizes
+            >= 2), or an int G for contiguous blocks of G rows (see :func:`group_index`).
+        scale: divide by the group's standard deviation (unbiased, as in the DeepSeekMath paper); False
+            gives Dr.GRPO's mean-centred form (Liu et al. 2025).
         eps: added to the std so that a group of equal rewards gives 0.
 
     Returns:
         [B] advantages, float32.
     """
-    grouped = _groups(rewards, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    values, counts, sums, inverse = _group_totals(rewards, group, "GRPO")
+    centred = values - sums / counts
+    if not scale:
+        return centred
+    std = (_group_sum(centred.square(), inverse) / (counts - 1)).sqrt()
+    return centred / (std + eps)
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """REINFORCE leave-one-out (Ahmadian et al. 2024): each reward minus the mean of the *other* G-1 in its group.
+def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor | int) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each reward minus the mean of the *other* n-1 in its group.
 
     Args:
-        rewards: [B], grouped as in :func:`grpo_advantages`; group_size >= 2.
+        rewards: [B]; group: as in :func:`grpo_advantages` (every group >= 2 samples).
     Returns:
-        [B] float32; equals G/(G-1) * (r - group mean).
+        [B] float32; equals n/(n-1) * (r - group mean) for a group of n.
     """
-    if group_size < 2:
-        raise ValueError(f"RLOO needs group_size >= 2 (a baseline from the other samples), got {group_size}")
-    grouped = _groups(rewards, group_size)
-    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - others).reshape(-1)
+    values, counts, sums, _ = _group_totals(rewards, group, "RLOO (a baseline from the other samples)")
+    return values - (sums - values) / (counts - 1)
+
+
+def reinforce_baseline_advantages(
+    rewards: torch.Tensor, group: torch.Tensor | int, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025; OpenRLHF's and verl's "reinforce_baseline"/"reinforce_plus_plus_baseline").
+
+    Each reward minus its group's mean, spread over the sequence's tokens, then whitened over all
+    masked-in tokens of the batch (so a sequence weighs by its length, as in the peers).
+
+    Args:
+        rewards: [B]; group: as in :func:`grpo_advantages`; response_mask: [B, T].
+    Returns:
+        [B, T] float32, 0 where masked.
+    """
+    values, counts, sums, _ = _group_totals(rewards, group, "REINFORCE++-baseline")
+    per_token = torch.where(response_mask > 0, (values - sums / counts).unsqueeze(1), 0.0)
+    return masked_whiten(per_token, response_mask)
 
 
 def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -73,8 +135,8 @@ def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
 
     Shapes: [B, T] each; returns [B, T] float32, 0 where the mask is 0.
     """
-    mask = (response_mask > 0).float()
-    rewards = token_rewards.float() * mask
+    keep = response_mask > 0
+    mask, rewards = keep.float(), torch.where(keep, token_rewards.float(), 0.0)
     out = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], device=rewards.device)
     for t in reversed(range(rewards.shape[1])):
@@ -100,8 +162,9 @@ def gae_advantages(
         advantages: [B, T] float32 (unwhitened), 0 where masked.
         returns: [B, T] float32, advantages + values (the critic's targets), 0 where masked.
     """
-    mask = (response_mask > 0).float()
-    rewards, values = token_rewards.float() * mask, values.float() * mask
+    keep = response_mask > 0
+    mask = keep.float()
+    rewards, values = torch.where(keep, token_rewards.float(), 0.0), torch.where(keep, values.float(), 0.0)
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros(rewards.shape[0], device=rewards.device)
     next_adv = torch.zeros_like(next_value)
@@ -117,12 +180,13 @@ def gae_advantages(
 
 
 def masked_whiten(values: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over masked-in entries (std unbiased); 0 where masked. Shapes: [B, T] each."""
-    mask = (response_mask > 0).float()
-    n = mask.sum()
-    mean = (values * mask).sum() / n.clamp(min=1)
-    var = (((values - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
-    return (values - mean) * torch.rsqrt(var + eps) * mask
+    """(x - mean) / std over masked-in entries (std unbiased); 0 where masked (NaN there is ignored).
+    Shapes: [B, T] each."""
+    keep = response_mask > 0
+    n = keep.sum()
+    centred = torch.where(keep, values, 0.0) - torch.where(keep, values, 0.0).sum() / n.clamp(min=1)
+    var = torch.where(keep, centred, 0.0).square().sum() / (n - 1).clamp(min=1)
+    return torch.where(keep, centred * torch.rsqrt(var + eps), 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +199,10 @@ class AdvantageInputs:
     response_mask: torch.Tensor
     """[B, T] 1 on generated tokens."""
     group_size: int
-    """Completions per prompt; rows ``g*G .. (g+1)*G - 1`` share a prompt."""
+    """Completions sampled per prompt (the config's group_size)."""
+    group: torch.Tensor | None = None
+    """[B] int64 group index (rows of one prompt share it; ``Batch.group``): the group estimators group by
+    it, in any row order. None: contiguous blocks, rows ``g*G .. (g+1)*G - 1`` form group g."""
     values: torch.Tensor | None = None
     """[B, T] critic values at rollout time (PPO), else None."""
     gamma: float = 1.0
@@ -146,7 +213,12 @@ class AdvantageInputs:
     @property
     def scores(self) -> torch.Tensor:
         """[B] summed token rewards per sequence (what sequence-level estimators compare)."""
-        return (self.token_rewards * (self.response_mask > 0)).sum(dim=1)
+        return torch.where(self.response_mask > 0, self.token_rewards, 0.0).sum(dim=1)
+
+    @property
+    def groups(self) -> torch.Tensor | int:
+        """What the group estimators group by: ``group`` if given, else ``group_size`` (contiguous blocks)."""
+        return self.group_size if self.group is None else self.group
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
@@ -155,7 +227,7 @@ AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _per_token(per_sequence: torch.Tensor, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    adv = per_sequence.unsqueeze(1) * (x.response_mask > 0)
+    adv = torch.where(x.response_mask > 0, per_sequence.unsqueeze(1), 0.0)
     return adv, adv
 
 
@@ -166,6 +238,11 @@ def _gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return masked_whiten(advantages, x.response_mask), returns
 
 
+def _reinforce_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = reinforce_baseline_advantages(x.scores, x.groups, x.response_mask)
+    return adv, adv
+
+
 def _reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     returns = discounted_returns(x.token_rewards, x.response_mask, x.gamma)
     return masked_whiten(returns, x.response_mask), returns
@@ -173,27 +250,21 @@ def _reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 ADVANTAGE_ESTIMATORS: Mapping[str, AdvantageFn] = types.MappingProxyType(
     {
-        "grpo": lambda x: _per_token(grpo_advantages(x.scores, x.group_size), x),
-        "drgrpo": lambda x: _per_token(grpo_advantages(x.scores, x.group_size, scale=False), x),
-        "rloo": lambda x: _per_token(rloo_advantages(x.scores, x.group_size), x),
+        "grpo": lambda x: _per_token(grpo_advantages(x.scores, x.groups), x),
+        "drgrpo": lambda x: _per_token(grpo_advantages(x.scores, x.groups, scale=False), x),
+        "rloo": lambda x: _per_token(rloo_advantages(x.scores, x.groups), x),
+        "reinforce++-baseline": _reinforce_baseline,
         "reinforce++": _reinforce_pp,
         "gae": _gae,
     }
 )
 """Estimators by name. "grpo": group mean and std; "drgrpo": group mean only; "rloo":
-leave-one-out mean; "reinforce++" (Hu 2025): discounted returns whitened over the batch;
+leave-one-out mean; "reinforce++-baseline" (Hu et al. 2025): group mean subtracted, then whitened
+over the batch's tokens; "reinforce++" (Hu et al. 2025): discounted returns whitened over the batch;
 "gae": GAE with the critic's values, advantages whitened over the batch (PPO practice)."""
 
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++-baseline")
 """Estimators that compare samples of one prompt (they need group_size >= 2)."""
-
-
-def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}"
-        )
-    return rewards.float().view(-1, group_size)
 
 
 def compute_advantages(estimator: str | AdvantageFn, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:

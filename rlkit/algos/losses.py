@@ -1,13 +1,25 @@
-"""Policy and value losses and the entropy bonus, per token; aggregation is in :mod:`rlkit.algos.aggregation`."""
+"""Policy losses (PPO clip, GSPO) and their registry, the value loss and the entropy bonus, per token.
+
+Aggregation over tokens is in :mod:`rlkit.algos.aggregation`.
+"""
 
 from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is 1. Shapes: [B, T] each; returns a scalar (0 for an empty mask)."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is > 0; masked entries are dropped (NaN or inf there is ignored), 0 for an
+    empty mask. Shapes: [B, T] each; returns a scalar, or with ``dim`` the means along it (``dim=1``: [B])."""
+    keep = mask > 0
+    kept = torch.where(keep, values, 0.0)
+    if dim is None:
+        return kept.sum() / keep.sum().clamp(min=1)
+    return kept.sum(dim=dim) / keep.sum(dim=dim).clamp(min=1)
 
 
 def clipped_policy_loss(
@@ -18,6 +30,8 @@ def clipped_policy_loss(
     *,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    log_ratio_clamp: float = 20.0,
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate (Schulman et al. 2017), negated to be minimised, with its two common variants.
 
@@ -30,15 +44,129 @@ def clipped_policy_loss(
             2025, e.g. 0.28) lets unlikely tokens with positive advantage grow, against entropy collapse.
         dual_clip: dual-clip constant c > 1 (Ye et al. 2020, e.g. 3.0): for negative advantages the
             loss is capped at -c * A, so a huge ratio cannot blow the update up. None disables it.
+        log_ratio_clamp: the log-ratio is clamped to [-log_ratio_clamp, log_ratio_clamp] before exp (its
+            gradient is 0 beyond; verl uses 20), so a log-ratio of +-1000 gives a finite loss, and 0 for a
+            token with zero advantage.
+        response_mask: [B, T]; where it is 0 the log-ratio and advantage are taken as 0 (loss 0, gradient 0),
+            so NaN or inf in padding reach neither the loss nor the gradient. None: no masking.
 
     Returns:
         loss: [B, T] per-token loss, max(-A * r, -A * clip(r)) (then min(., -c * A) where A < 0).
         clipped: [B, T] 1.0 where a clip zeroed the token's gradient, else 0.0.
     """
+    log_ratio, advantages = _masked_inputs(logprobs - old_logprobs, advantages, response_mask)
+    ratio = torch.exp(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))
+    return _clipped_surrogate(ratio, advantages, clip_eps, clip_high, dual_clip)
+
+
+def gspo_policy_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_eps: float,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its per-token form GSPO-token.
+
+    The importance ratio is the sequence's: s_i = exp(mean_t log(pi / pi_old)) over its masked-in tokens
+    (the length-normalised sequence likelihood ratio). Each token carries s_i's value with its own
+    gradient: s_i,t = sg[s_i] * pi_t / sg[pi_t], so d s_i,t / d logp_t = s_i, as verl's "gspo" loss.
+    Then PPO's clip (and dual-clip, if set) acts on s_i,t. With a per-sequence advantage and
+    "seq-mean-token-mean" aggregation this is exactly GSPO's sequence objective (TRL's
+    importance_sampling_level="sequence" with loss_type="grpo"): same value, same gradient. The paper
+    clips far tighter than PPO: clip_eps=3e-4, clip_high=4e-4.
+
+    Args:
+        new_logprobs, old_logprobs: [B, T] log-probs of the sampled tokens now and at sampling.
+        advantages: [B] or [B, T] (per-token advantages are allowed, as GSPO-token).
+        response_mask: [B, T]; padding (NaN or inf there included) counts nowhere.
+        clip_eps, clip_high, dual_clip: as in :func:`clipped_policy_loss`.
+        log_ratio_clamp: log s_i,t is clamped to [-log_ratio_clamp, log_ratio_clamp] (gradient 0 beyond).
+    Returns:
+        loss: [B, T] per-token loss (0 where masked); clipped: [B, T] 1.0 where a clip zeroed the gradient.
+    """
+    log_ratio, advantages = _masked_inputs(new_logprobs - old_logprobs, advantages, response_mask)
+    mask = response_mask > 0
+    seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    logp = torch.where(mask, new_logprobs, 0.0)
+    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach()
+    ratio = torch.exp(token_log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))
+    loss, clipped = _clipped_surrogate(ratio, advantages, clip_eps, clip_high, dual_clip)
+    return torch.where(mask, loss, 0.0), clipped * mask
+
+
+class ClipPolicyLossFn(Protocol):
+    """``fn(new_logprobs, old_logprobs, advantages, response_mask, *, clip_eps, clip_high, dual_clip,
+    log_ratio_clamp) -> (loss, clipped)``: [B, T] tensors in ([B] or [B, T] advantages), [B, T] out.
+    ``functools.partial(fn, clip_eps=..., clip_high=..., dual_clip=..., log_ratio_clamp=...)`` has the
+    four-argument form of ``Trainer(policy_loss_fn=...)``."""
+
+    def __call__(
+        self,
+        new_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        clip_eps: float,
+        clip_high: float | None,
+        dual_clip: float | None,
+        log_ratio_clamp: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def ppo_clip_policy_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_eps: float,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`clipped_policy_loss` under the registry's signature (the mask is required)."""
+    return clipped_policy_loss(
+        new_logprobs,
+        old_logprobs,
+        advantages,
+        clip_eps,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        log_ratio_clamp=log_ratio_clamp,
+        response_mask=response_mask,
+    )
+
+
+POLICY_LOSSES: Mapping[str, ClipPolicyLossFn] = types.MappingProxyType(
+    {"ppo_clip": ppo_clip_policy_loss, "gspo": gspo_policy_loss}
+)
+"""Policy losses by name (the config's ``policy_loss``): "ppo_clip" (per-token ratio, PPO) and "gspo"
+(sequence ratio, GSPO-token). All share :class:`ClipPolicyLossFn`'s signature."""
+
+
+def _masked_inputs(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] log-ratio and advantages, 0 where the mask is 0 (NaN-proof: torch.where, not a product)."""
     if advantages.ndim == 1:
         advantages = advantages.unsqueeze(1)
+    if response_mask is None:
+        return log_ratio, advantages
+    mask = response_mask > 0
+    return torch.where(mask, log_ratio, 0.0), torch.where(mask, advantages, 0.0)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float, clip_high: float | None, dual_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's max(-A r, -A clip(r)), then the dual-clip cap; and 1.0 where a clip zeroed the gradient."""
     high = clip_eps if clip_high is None else clip_high
-    ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + high)
     loss = torch.maximum(unclipped, clipped)

@@ -5,10 +5,13 @@ Every field carries a docstring (the string under it). A config is checked in
 :class:`ConfigError`, each naming the setting, the value and the fix. Checks
 that need the cluster (divisibility by the world size) run in
 :meth:`RLConfig.check_cluster` before the trainer loads anything. :class:`GRPOConfig` and
-:class:`PPOConfig` share every setting of :class:`RLConfig`; PPO adds the critic.
+:class:`PPOConfig` share every setting of :class:`RLConfig`; PPO adds the critic. The offline
+preference configs :class:`DPOConfig` and :class:`KTOConfig` share the model, optimizer, FSDP and
+checkpoint settings.
 """
 
 from rlkit.config.checks import ConfigError
+from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
 from rlkit.config.run import (
     GRPOConfig,
     PPOConfig,
@@ -33,11 +36,14 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "CriticConfig",
+    "DPOConfig",
     "ENGINES",
     "FSDPConfig",
     "GRPOConfig",
+    "KTOConfig",
     "OptimConfig",
     "PPOConfig",
+    "PreferenceConfig",
     "RLConfig",
     "RewardModelConfig",
     "RolloutConfig",

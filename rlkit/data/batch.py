@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
+
+from rlkit.algos import masked_mean
 
 
 @dataclass(kw_only=True)
@@ -28,7 +31,10 @@ class Batch:
     response_mask: torch.Tensor
     """[B, T] float32, 1 on generated tokens (the end-of-text token included)."""
     rollout_logprobs: torch.Tensor
-    """[B, T] float32 log-probs of the sampled tokens under the rollout engine."""
+    """[B, T] float32 log-probs of the sampled tokens under the rollout engine; NaN on the rows the engine
+    returned none for (``rollout.engine_logprobs`` < 1 asks for a fraction of the prompts only)."""
+    rollout_logprob_rows: torch.Tensor | None = None
+    """[B] bool, True where ``rollout_logprobs`` holds the engine's log-probs; None: every row."""
     group: torch.Tensor
     """[B] int64, the prompt index within the step (samples of one prompt share it)."""
     rank: torch.Tensor | None = None
@@ -37,7 +43,7 @@ class Batch:
     """B values, "stop" (end-of-text emitted) or "length" (hit max_new_tokens)."""
     fields: dict[str, list] = field(default_factory=dict)
     """Extra per-sample columns from the prompt source (e.g. "answer"), each of length B."""
-    logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
     """[B, T] float32 log-probs under the trainer's actor before the update (PPO's old policy); filled by
     the rollout, or by the update's own forward when ``recompute_logprobs=False``."""
     ref_logprobs: torch.Tensor | None = None
@@ -66,12 +72,47 @@ class Batch:
         """[B] int64 number of generated tokens."""
         return self.response_mask.sum(dim=1).long()
 
-    def logprob_gap(self) -> torch.Tensor | None:
-        """[B] max |trainer - rollout| log-prob over each response, or None before the trainer's pass."""
-        if self.logprobs is None:
+    @property
+    def logprobs(self) -> torch.Tensor | None:
+        """Deprecated alias of :attr:`old_logprobs` (kept for one release)."""
+        warnings.warn("Batch.logprobs is now Batch.old_logprobs", DeprecationWarning, stacklevel=2)
+        return self.old_logprobs
+
+    @logprobs.setter
+    def logprobs(self, value: torch.Tensor | None) -> None:
+        warnings.warn("Batch.logprobs is now Batch.old_logprobs", DeprecationWarning, stacklevel=2)
+        self.old_logprobs = value
+
+    def engine_checked(self) -> torch.Tensor:
+        """[B, T] bool: response tokens whose engine log-prob is known (what the gap check compares)."""
+        rows = self.rollout_logprob_rows
+        checked = self.response_mask > 0
+        return checked if rows is None else checked & rows[:, None]
+
+    def logprob_gap_tokens(self) -> torch.Tensor | None:
+        """[B, T] |trainer - rollout engine| log-prob of each sampled token (0 where masked or not checked), or
+        None before the trainer scored the rollout. The engine sampled with the weights it holds and the trainer
+        scores with its own, so a weight sync that did not take (or a precision mismatch) shows up here."""
+        if self.old_logprobs is None:
             return None
-        gap = (self.logprobs - self.rollout_logprobs).abs() * self.response_mask
-        return gap.max(dim=1).values
+        return torch.where(self.engine_checked(), (self.old_logprobs - self.rollout_logprobs).abs(), 0.0)
+
+    def logprob_gap(self) -> torch.Tensor | None:
+        """[B] the largest :meth:`logprob_gap_tokens` of each response (NaN where not checked), or None before
+        the trainer's pass."""
+        gap = self.logprob_gap_tokens()
+        return None if gap is None else self._per_checked_row(gap.max(dim=1).values)
+
+    def logprob_gap_mean(self) -> float | None:
+        """The mean of :meth:`logprob_gap_tokens` over the checked response tokens (nats per token), or None
+        before the trainer's pass or when no token was checked."""
+        gap, checked = self.logprob_gap_tokens(), self.engine_checked()
+        return None if gap is None or not checked.any() else float(masked_mean(gap, checked))
+
+    def _per_checked_row(self, values: torch.Tensor) -> torch.Tensor:
+        """[B] ``values`` with NaN on the rows without engine log-probs."""
+        rows = self.rollout_logprob_rows
+        return values if rows is None else torch.where(rows, values, torch.nan)
 
     def split(self, parts: int) -> list[Batch]:
         """``parts`` contiguous, equal slices (B must divide; groups stay whole when parts divides the prompts)."""
@@ -80,9 +121,16 @@ class Batch:
         size = len(self) // parts
         return [self._slice(slice(i * size, (i + 1) * size)) for i in range(parts)]
 
+    def select(self, rows: torch.Tensor) -> Batch:
+        """The samples at ``rows`` ([k] int64 indices, in that order)."""
+        return self._slice(rows.tolist())
+
     @staticmethod
     def concat(batches: list[Batch]) -> Batch:
-        """Join slices made by :meth:`split` (or by ranks, which pad to the same P and T) in order."""
+        """Join batches in order (slices made by :meth:`split`, or rollouts of the same response width T);
+        prompts padded to different widths are left-padded to the widest (id 0, mask 0)."""
+        width = max(b.input_ids.shape[1] for b in batches)
+        batches = [b._left_padded(width) for b in batches]
         first = batches[0]
         out = {}
         for f in dataclasses.fields(Batch):
@@ -99,17 +147,32 @@ class Batch:
                 out[f.name] = sum(values, [])
         return Batch(**out)
 
-    def _slice(self, index: slice) -> Batch:
+    def _slice(self, index: slice | list[int]) -> Batch:
+        def take(value):
+            if isinstance(value, torch.Tensor) or isinstance(index, slice):
+                return value[index]
+            return [value[i] for i in index]
+
         out = {}
         for f in dataclasses.fields(Batch):
             value = getattr(self, f.name)
             if isinstance(value, dict):
-                out[f.name] = {k: v[index] for k, v in value.items()}
+                out[f.name] = {k: take(v) for k, v in value.items()}
             elif value is None:
                 out[f.name] = None
             else:
-                out[f.name] = value[index]
+                out[f.name] = take(value)
         return Batch(**out)
+
+    def _left_padded(self, width: int) -> Batch:
+        """This batch with ``input_ids`` and ``attention_mask`` left-padded to ``width`` columns."""
+        extra = width - self.input_ids.shape[1]
+        if extra == 0:
+            return self
+        pad = torch.nn.functional.pad
+        return dataclasses.replace(
+            self, input_ids=pad(self.input_ids, (extra, 0)), attention_mask=pad(self.attention_mask, (extra, 0))
+        )
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per completion: what a person reads to judge a step."""
@@ -130,13 +193,13 @@ class Batch:
         if self.values is not None:
             columns["value"] = self.values[:, 0].tolist()
         if self.advantages is not None:
-            columns["advantage"] = ((self.advantages * self.response_mask).sum(1) / lengths.clamp(min=1)).tolist()
-        mean_lp = (self.rollout_logprobs * self.response_mask).sum(1) / lengths.clamp(min=1)
-        columns["rollout_logprob_mean"] = mean_lp.tolist()
-        gap = self.logprob_gap()
-        if gap is not None:
-            columns["logprob_gap_max"] = gap.tolist()
-            tokens = (self.logprobs - self.rollout_logprobs).abs() * self.response_mask
-            columns["logprob_gap_mean"] = (tokens.sum(1) / lengths.clamp(min=1)).tolist()
+            columns["advantage"] = masked_mean(self.advantages, self.response_mask, dim=1).tolist()
+        checked = self.engine_checked()
+        rollout_mean = masked_mean(self.rollout_logprobs, checked, dim=1)
+        columns["rollout_logprob_mean"] = self._per_checked_row(rollout_mean).tolist()
+        gap_tokens = self.logprob_gap_tokens()
+        if gap_tokens is not None:
+            columns["logprob_gap_max"] = self._per_checked_row(gap_tokens.max(dim=1).values).tolist()
+            columns["logprob_gap_mean"] = self._per_checked_row(masked_mean(gap_tokens, checked, dim=1)).tolist()
         return pd.DataFrame(columns)
 

@@ -1,4 +1,4 @@
-"""Prompt sources: a user's list, cycled in a seeded order, or the bundled task's generator."""
+"""Prompt sources: a list of prompts, shuffled per epoch in a seeded order, or the bundled task's generator."""
 
 from __future__ import annotations
 
@@ -16,22 +16,35 @@ class PromptSource:
 
     Items are dicts with a non-empty "prompt" string; their other keys travel to
     reward functions as keyword arguments (e.g. ``answer``). Plain strings are
-    accepted and become ``{"prompt": s}``. A list is shuffled once per pass.
+    accepted and become ``{"prompt": s}``. A list is shuffled once per pass (epoch),
+    in an order fixed by the seed and the epoch, so a resumed source serves the same
+    prompts as one that never stopped. ``add_special_tokens`` says how to tokenize the
+    prompts: False when they were rendered by a chat template (which writes its own BOS).
     """
 
-    def __init__(self, items: Sequence[str | dict[str, Any]] | None = None, *, task: Task | None = None, seed: int = 0):
+    def __init__(
+        self,
+        items: Sequence[str | dict[str, Any]] | None = None,
+        *,
+        task: Task | None = None,
+        seed: int = 0,
+        add_special_tokens: bool = True,
+    ):
         if (items is None) == (task is None):
             raise ValueError("give exactly one of items (a list of prompts) or task")
         self._items = _normalise(items) if items is not None else None
         self._task = task
         self._seed = seed
         self._served = 0
+        self._order: tuple[int, list[int]] = (-1, [])
+        self.add_special_tokens = add_special_tokens
 
     @property
-    def field_names(self) -> list[str]:
-        """The extra keys each item carries besides "prompt"."""
-        first = self._items[0] if self._items is not None else self._task.sample(1, random.Random(0))[0]
-        return [k for k in first if k != "prompt"]
+    def items(self) -> list[dict[str, Any]]:
+        """Every item in its given order (a validation set is read this way); not for a task source."""
+        if self._items is None:
+            raise TypeError("a task source generates prompts: it has no fixed list of items")
+        return list(self._items)
 
     def next(self, n: int) -> list[dict[str, Any]]:
         """The next ``n`` items."""
@@ -43,15 +56,27 @@ class PromptSource:
         return out
 
     def _item(self, index: int) -> dict[str, Any]:
+        assert self._items is not None
         epoch, offset = divmod(index, len(self._items))
-        order = list(range(len(self._items)))
-        random.Random(f"{self._seed}:epoch{epoch}").shuffle(order)
-        return self._items[order[offset]]
+        if self._order[0] != epoch:
+            order = list(range(len(self._items)))
+            random.Random(f"{self._seed}:epoch{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._items[self._order[1][offset]]
 
     def state_dict(self) -> dict[str, int]:
-        return {"served": self._served, "seed": self._seed}
+        """The position: prompts served so far, the seed and the number of items (checked on load)."""
+        size = len(self._items) if self._items is not None else 0
+        return {"served": self._served, "seed": self._seed, "size": size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``; raises ValueError if it was saved for a different number of items."""
+        size = len(self._items) if self._items is not None else 0
+        if state.get("size", size) != size:
+            raise ValueError(
+                f"the saved prompt position is for {state['size']} prompts but this source has {size}: "
+                "resume with the same data (files, filters and max_prompt_tokens) as the saved run"
+            )
         self._served = state["served"]
         self._seed = state["seed"]
 

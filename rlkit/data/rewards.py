@@ -27,13 +27,19 @@ class WeightedReward:
 def reward_terms(
     spec: RewardFn | list[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]],
 ) -> list[WeightedReward]:
-    """Normalise a reward spec: one callable, a list (weight 1 each), or {name: fn or (fn, weight)}."""
+    """Normalise a reward spec: one callable, a list (weight 1 each), or {name: fn or (fn, weight)}.
+
+    A list's terms are named after their functions; a name two of them share gets the term's
+    position appended (``<lambda>_0``, ``<lambda>_1``) so that neither hides the other.
+    """
     if callable(spec):
         spec = [spec]
     if isinstance(spec, Mapping):
         items = [(name, *(v if isinstance(v, tuple) else (v, 1.0))) for name, v in spec.items()]
     else:
-        items = [(getattr(fn, "__name__", f"reward{i}"), fn, 1.0) for i, fn in enumerate(spec)]
+        names = [getattr(fn, "__name__", f"reward{i}") for i, fn in enumerate(spec)]
+        unique = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+        items = [(n, fn, 1.0) for n, fn in zip(unique, spec, strict=True)]
     if not items:
         raise ValueError("reward_fn is empty: give at least one reward function")
     out = []
@@ -45,10 +51,18 @@ def reward_terms(
 
 
 def compute_rewards(
-    terms: list[WeightedReward], prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+    terms: list[WeightedReward],
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, list[Any]],
+    *,
+    scored: Mapping[str, tuple[torch.Tensor, float]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Call every reward function once on the whole batch.
 
+    Args:
+        scored: terms already computed elsewhere, by name: ([B] values, weight), e.g. a reward model
+            on the workers (whose failures are not the reward function's to report).
     Returns:
         total: [B] float32, the weighted sum of the terms.
         by_name: each term's [B] float32 values.
@@ -56,8 +70,13 @@ def compute_rewards(
         RewardError: a function raised, returned the wrong length, a non-number or NaN/inf.
     """
     by_name = {t.name: _call(t, prompts, completions, fields) for t in terms}
-    total = sum(t.weight * by_name[t.name] for t in terms)
-    return total.float(), by_name
+    total = torch.zeros(len(completions))
+    for t in terms:
+        total += t.weight * by_name[t.name]
+    for name, (values, weight) in (scored or {}).items():
+        by_name[name] = values.float()
+        total += weight * by_name[name]
+    return total, by_name
 
 
 def _call(

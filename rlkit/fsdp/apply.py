@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from rlkit.config import FSDPConfig
-from rlkit.models.head import ResponseHead
+from rlkit.models.head import response_head
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -47,10 +47,13 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
 
     Parameters stay fp32 (the optimizer's master copy); mixed precision casts
     them to the compute dtype for forward/backward and reduces gradients in
-    ``config.reduce_dtype``. Each decoder layer is, in this order (torchtitan's),
-    checkpointed (``config.activation_checkpointing``), compiled (``config.compile``;
-    a fused :class:`~rlkit.models.head.ResponseHead` compiles its chunk math too)
-    and sharded; parameter names do not change. Build the optimizer after this call.
+    ``config.reduce_dtype``. Gradients are SUMMED over ranks, not averaged (FSDP's
+    default): rlkit's loss weights already divide by the whole batch's token or
+    sequence count over all ranks, so the sum is the gradient of the whole batch's
+    loss. Each decoder layer is, in this order (torchtitan's), checkpointed
+    (``config.activation_checkpointing``), compiled (``config.compile``; a fused
+    :class:`~rlkit.models.head.ResponseHead` compiles its chunk math too) and
+    sharded; parameter names do not change. Build the optimizer after this call.
     """
     if config.version == 1:
         return _apply_fsdp1(model, mesh, config)
@@ -62,18 +65,25 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     )
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    _prepare_layers(model, config)
+    units = [fully_shard(layer, **kwargs) for layer in decoder_layers(model)] + [fully_shard(model, **kwargs)]
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM collective, which gloo supports too
+    return model
+
+
+def _prepare_layers(model: torch.nn.Module, config: FSDPConfig) -> None:
+    """Before FSDP2 wraps them: checkpoint and compile each decoder layer, and the fused head's chunk math."""
     for layer in decoder_layers(model):
         if config.activation_checkpointing:
             checkpoint(layer)  # composable: forward hooks, the module tree and names stay as they are
         if config.compile:
             # the forward only: FSDP's and the checkpoint's hooks stay outside the compiled code
             layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
-        fully_shard(layer, **kwargs)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if config.compile and isinstance(head, ResponseHead):
+    head = response_head(model)
+    if config.compile and head is not None:
         head.compile_chunk_math()
-    fully_shard(model, **kwargs)
-    return model
 
 
 def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> torch.nn.Module:
@@ -108,6 +118,10 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
         device_mesh=mesh if config.sharding == "hybrid" else None,
         use_orig_params=True,
     )
+    for unit in FSDP.fsdp_modules(wrapped):
+        # FSDP1 has no public setting for this: its gradient reduction divides by these two factors
+        unit._gradient_predivide_factor = 1
+        unit._gradient_postdivide_factor = 1
     if config.activation_checkpointing:  # after wrapping; names gain _checkpoint_wrapped_module (see clean_name)
         apply_activation_checkpointing(
             wrapped,

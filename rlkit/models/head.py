@@ -83,6 +83,13 @@ class ResponseHead(nn.Linear):
         )
 
 
+def response_head(model: nn.Module) -> ResponseHead | None:
+    """The model's :class:`ResponseHead`, if it has one (FSDP-wrapped or not)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if isinstance(head, ResponseHead) else None
+
+
 def install_response_head(model: nn.Module) -> bool:
     """Swap a causal LM's bias-free ``lm_head`` for a :class:`ResponseHead` on the same weight, before FSDP
     wrapping; True if done. Families outside PACKABLE_MODEL_TYPES keep theirs (their forward may transform

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlkit.algos.losses import entropy_from_logits
-from rlkit.models.head import ResponseHead
+from rlkit.models.head import response_head
 from rlkit.models.packing import pack_rows, response_slots
 
 CHUNK_ELEMENTS = 1 << 27
@@ -72,8 +72,8 @@ def response_logprobs(
     Returns:
         [B, T] float32 log-probs and [B, T] float32 entropies or None; 0 at padded response positions.
     """
-    head = model.get_output_embeddings()
-    if not isinstance(head, ResponseHead):
+    head = response_head(model)
+    if head is None:
         if padding_free:
             raise ValueError(
                 f"padding_free=True needs the fused response head: {type(model).__name__} has none "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,7 +35,10 @@ class Generation:
     """[N*n, T] float32, 1 on generated tokens up to and including the end-of-text token."""
     logprobs: torch.Tensor
     """[N*n, T] float32 log-probs of the sampled tokens under the distribution sampled from:
-    log softmax(logits / temperature), renormalised over the nucleus when top_p < 1; 0 past the end."""
+    log softmax(logits / temperature), renormalised over the nucleus when top_p < 1; 0 past the end;
+    NaN on every position of a row the engine returned none for (see ``logprob_rows``)."""
+    logprob_rows: torch.Tensor
+    """[N*n] bool, True where ``logprobs`` holds the engine's log-probs (whole groups: all n samples of a prompt)."""
     finish_reason: list[str]
     """"stop" where end-of-text was emitted, "length" where max_new_tokens ran out."""
 
@@ -60,3 +64,13 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Free the engine and any processes it started; idempotent."""
         ...
+
+
+def logprob_prompts(prompts: int, fraction: float) -> torch.Tensor:
+    """[prompts] bool: which prompts' completions carry engine log-probs, ``ceil(fraction * prompts)`` of them
+    evenly spaced from the first (at least one when ``fraction`` > 0, none when it is 0)."""
+    chosen = torch.zeros(prompts, dtype=torch.bool)
+    count = min(prompts, math.ceil(round(fraction * prompts, 6)))  # 0.1 * 30 is 3, not 3.0000000000000004
+    if count:
+        chosen[torch.arange(count) * prompts // count] = True
+    return chosen

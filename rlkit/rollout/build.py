@@ -43,6 +43,8 @@ def build_engine(
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_gb=config.kv_cache_gb,
             seed=seed,
+            logprob_fraction=config.engine_logprobs,
+            sleep=config.sleep,
             trust_remote_code=trust_remote_code,
         )
     model = load_causal_lm(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -16,13 +17,14 @@ class HFEngine:
     any number of decoding steps) and receive the actor's weights through
     :meth:`load_weights` after every update. Log-probs are taken step by step from
     the scores generate samples from, so memory stays at one [N*n, V] step, not
-    the whole [N*n, T, V] of logits.
+    the whole [N*n, T, V] of logits; they cost next to nothing here, so every row
+    has them (``rollout.engine_logprobs`` is vLLM's).
     """
 
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int):
-        self.model = model.eval().requires_grad_(False)
+        self.model: Any = model.eval().requires_grad_(False)  # a transformers model: generate() is typed loosely
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
 
@@ -51,6 +53,7 @@ class HFEngine:
             response_ids=_pad_to(response.masked_fill(mask == 0, self.pad_token_id), width, self.pad_token_id).long(),
             response_mask=_pad_to(mask, width, 0),
             logprobs=_pad_to(logprobs.masked_fill(mask == 0, 0.0), width, 0),
+            logprob_rows=torch.ones(len(response), dtype=torch.bool, device=response.device),
             finish_reason=["stop" if f else "length" for f in finished.tolist()],
         )
 
@@ -93,6 +96,8 @@ class _SampledLogprobs:
 
     def result(self, response: torch.Tensor) -> torch.Tensor:
         """[B, t] log-probs of the generated ``response`` [B, t] (the last step gathered here)."""
+        if self._last is None:
+            raise RuntimeError("generate produced no step: nothing to take log-probs from")
         picked = self._picked + [self._last.gather(1, response[:, -1:]).squeeze(1)]
         return torch.stack(picked, dim=1)
 

@@ -3,35 +3,34 @@
 ``vllm`` is an optional dependency (``pip install 'rlkit[vllm]'``) imported here only, when an
 engine is built. The engine runs in its own processes (vLLM's default mode): vLLM's in-process
 mode would join the worker's torch.distributed group and hang. So the actor's weights cross the
-process boundary: on GPU as CUDA IPC handles to a few flat device buffers (no host copy), on CPU
-as safetensors files in a per-rank scratch folder (tmpfs when it has room), written bucket by
-bucket as the FSDP gather yields them. Either way vLLM's own in-place reload
-(``reload_weights``) takes them without restarting the engine. Whether they arrived shows in the
-trainer's log-prob gap metric (rollout vs trainer log-probs of the same tokens).
+process boundary (:mod:`rlkit.rollout.vllm_weights`): on GPU through flat device buffers shared
+once by CUDA IPC, on CPU as safetensors files in a per-rank scratch folder (tmpfs when it has
+room). Either way the engine's worker (:mod:`rlkit.rollout.vllm_worker`) loads them in place
+without restarting. Whether they arrived shows in the trainer's log-prob gap metric (rollout vs
+trainer log-probs of the same tokens), on the rows ``rollout.engine_logprobs`` picks.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
-import pickle
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 
-from rlkit.rollout.base import Generation, SamplingParams
+from rlkit.rollout.base import Generation, SamplingParams, logprob_prompts
+from rlkit.rollout.sleep import SleepPolicy
+from rlkit.rollout.vllm_weights import SharedWeights, write_files
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
-BUCKET_BYTES = 512 * 2**20
-"""Weights written per safetensors file during a sync (bounds the host memory a sync holds)."""
 CPU_KV_CACHE_GB = 1.0
 """KV cache on CPU when the config leaves it to rlkit (vLLM's CPU backend wants an explicit size)."""
 SHUTDOWN_S = 2.0
@@ -43,7 +42,7 @@ TORCH_DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_
 
 
 class VLLMEngine:
-    """A vLLM engine on this rank's device that generates with per-token log-probs and takes new weights in place.
+    """A vLLM engine on this rank's device that generates (log-probs on chosen rows) and takes new weights in place.
 
     Each call reseeds the engine's sampler with ``params.seed``, so a run (the same calls in the same
     order) repeats; repeating one call on a used engine may not, because vLLM hands out batch rows,
@@ -51,8 +50,10 @@ class VLLMEngine:
     cost on GPU). Prefix caching is off: RL rollouts rarely repeat a prompt across calls, and a cache
     would hold KV computed with the old weights after a sync. Log-probs are vLLM's "processed" ones,
     log softmax(logits / temperature), like the trainer's (with top_p < 1 they are renormalised over
-    the nucleus). On GPU, :meth:`sleep` frees the weights and KV cache while the actor trains;
-    vLLM has no sleep mode on CPU, where it is a no-op.
+    the nucleus), for the prompts :func:`~rlkit.rollout.base.logprob_prompts` picks with
+    ``logprob_fraction``. CUDA graphs and vLLM's compilation stay on (its defaults). On GPU,
+    :meth:`sleep` frees the weights and KV cache while the actor trains, as :class:`SleepPolicy`
+    decides; vLLM has no sleep mode on CPU, where it is a no-op.
     """
 
     name = "vllm"
@@ -70,22 +71,29 @@ class VLLMEngine:
         gpu_memory_utilization: float,
         kv_cache_gb: float,
         seed: int,
+        logprob_fraction: float,
+        sleep: str,
         trust_remote_code: bool = False,
     ):
         from vllm import LLM
 
-        self.dtype = dtype
+        self.device, self.dtype = device, dtype
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
-        self.can_sleep = device.type == "cuda"
+        self.logprob_fraction = logprob_fraction
+        self.can_sleep = device.type == "cuda" and sleep != "never"
+        self.sleep_policy = SleepPolicy(sleep)
+        self.last_sync = ""
+        """How the last sync reached the engine's parameters: "files", "loader" (vLLM's reload_weights) or "direct"."""
         self._asleep: set[str] = set()
+        self._shared: SharedWeights | None = None
         if device.type == "cpu" and kv_cache_gb == 0:
             kv_cache_gb = CPU_KV_CACHE_GB
         self._scratch = Path(tempfile.mkdtemp(prefix="rlkit-vllm-weights-", dir=_scratch_root(model_dir)))
         others = _vllm_processes()
         with _engine_environment(device), _removed_on_error(self._scratch):
-            self.llm = LLM(
+            self.llm: Any = LLM(
                 model=str(model_dir),
-                dtype=str(dtype).removeprefix("torch."),
+                dtype=str(dtype).removeprefix("torch."),  # type: ignore[arg-type]
                 seed=seed,
                 trust_remote_code=trust_remote_code,
                 max_num_seqs=max_num_seqs,
@@ -96,11 +104,11 @@ class VLLMEngine:
                 enable_prefix_caching=False,
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",
-                worker_extension_cls=f"{__name__}.WorkerExtension",
+                worker_extension_cls="rlkit.rollout.vllm_worker.WorkerExtension",
             )
         self._processes = [p for p in _vllm_processes() if p not in others]
-        if not self.can_sleep:
-            log.info(
+        if device.type == "cpu":
+            logger.info(
                 "vLLM has no sleep mode on %s: the engine keeps its weights and KV cache while the actor trains", device
             )
 
@@ -114,61 +122,65 @@ class VLLMEngine:
             TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
             for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)
         ]
-        sampling = VLLMSamplingParams(
+        common: dict[str, Any] = dict(
             n=params.n,
             temperature=params.temperature,
             top_p=params.top_p,
             max_tokens=params.max_new_tokens,
             min_tokens=params.min_new_tokens,
             stop_token_ids=[self.eos_token_id],
-            logprobs=0,  # the sampled token's only
-            flat_logprobs=True,  # plain float lists, not a dict of objects per token
             detokenize=False,
         )
+        # the sampled token's log-prob only, as plain float lists (not a dict of objects per token)
+        with_logprobs = VLLMSamplingParams(**common, logprobs=0, flat_logprobs=True)
+        plain = VLLMSamplingParams(**common)
+        chosen = logprob_prompts(len(prompts), self.logprob_fraction)
+        sampling = [with_logprobs if c else plain for c in chosen.tolist()]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
-        return _to_generation(completions, params.max_new_tokens, self.pad_token_id, prompt_ids.device)
+        rows = chosen.repeat_interleave(params.n)
+        return _to_generation(completions, rows, params.max_new_tokens, self.pad_token_id, prompt_ids.device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Reload the engine's weights in place from (name, full tensor) pairs; returns how many.
 
-        On GPU the engine reads them from this process's memory through CUDA IPC; on CPU they go
-        through safetensors files in the scratch folder.
+        On GPU they are cast into the shared buffers (packed and handed to the engine at the first sync
+        after a sleep, copied into in place otherwise), then the engine copies them into its parameters;
+        on CPU they go through safetensors files in the scratch folder.
         """
-        self._wake("weights")
-        if self.can_sleep:  # CUDA
-            count = self._load_shared(weights)
+        if self.device.type != "cuda":
+            count = write_files(weights, self.dtype, self._scratch)
+            self._wake("weights", "kv_cache")
+            self.llm.collective_rpc("rlkit_reload", args=(str(self._scratch),))
+            self.last_sync = "files"
+            return count
+        if self._shared is None:
+            self._shared = SharedWeights(weights, self.dtype)
+            torch.cuda.synchronize(self.device)  # the engine reads the buffers from another process
+            self.llm.collective_rpc("rlkit_attach", args=(self._shared.handles(),))
         else:
-            count = self._load_from_files(weights)
+            self._shared.fill(weights)
+            torch.cuda.synchronize(self.device)
+        if self._asleep or self.sleep_policy.awake_last:  # an update ran since the last rollout (not a resume)
+            self.sleep_policy.record_update(torch.cuda.memory_reserved(self.device))
+        self._wake("weights")
+        self.last_sync = self.llm.collective_rpc("rlkit_reload_attached")[0]
         self._wake("kv_cache")
-        return count
-
-    def _load_shared(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Pack the weights into flat ``self.dtype`` device buffers and send the engine their IPC handles."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        buckets = list(_flat_buckets(weights, self.dtype, BUCKET_BYTES))
-        torch.cuda.synchronize()  # the engine reads the buffers from another process
-        payload = pickle.dumps([(reduce_tensor(buffer), layout) for buffer, layout in buckets])
-        self.llm.collective_rpc("rlkit_reload_shared", args=(payload,))
-        return sum(len(layout) for _, layout in buckets)
-
-    def _load_from_files(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Write the weights bucket by bucket into the scratch folder, then have the engine reload them."""
-        for old in self._scratch.glob("*.safetensors"):
-            old.unlink()
-        count = 0
-        for i, bucket in enumerate(_buckets(weights, self.dtype, BUCKET_BYTES, device="cpu")):
-            _save(bucket, self._scratch / f"part-{i:05d}.safetensors")
-            count += len(bucket)
-        self.llm.collective_rpc("rlkit_reload", args=(str(self._scratch),))
-        return count
+        return len(self._shared)
 
     def sleep(self) -> None:
-        """Free the weights (kept in host memory) and the KV cache on GPU; a no-op on CPU."""
-        if self.can_sleep and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = {"weights", "kv_cache"}
+        """Free the weights (kept in host memory), the KV cache and the shared buffers on GPU, unless
+        ``rollout.sleep`` keeps the engine awake; a no-op on CPU."""
+        if not self.can_sleep or self._asleep:
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        if not self.sleep_policy.should_sleep(free=free, held=torch.cuda.memory_reserved(self.device), total=total):
+            return
+        if self._shared is not None:
+            self.llm.collective_rpc("rlkit_detach")
+            self._shared = None
+        self.llm.sleep(level=1)
+        self._asleep = {"weights", "kv_cache"}
 
     def close(self) -> None:
         """Shut the engine's processes down (``LLM`` has no method for it), wait until they are gone
@@ -177,9 +189,10 @@ class VLLMEngine:
         if getattr(self, "llm", None) is not None:
             self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
             self.llm = None
+            self._shared = None
             _, alive = psutil.wait_procs(self._processes, timeout=EXIT_WAIT_S)
             if alive:
-                log.warning("vLLM engine processes %s still run after shutdown", [p.pid for p in alive])
+                logger.warning("vLLM engine processes %s still run after shutdown", [p.pid for p in alive])
 
     def _wake(self, *tags: str) -> None:
         """Wake the named memory pools; weights are woken before the KV cache. Blocks this process's
@@ -192,104 +205,37 @@ class VLLMEngine:
                 self._asleep.discard(tag)
 
 
-class WorkerExtension:
-    """Methods vLLM adds to its worker class (they run in the engine's process), called by ``collective_rpc``."""
-
-    def rlkit_reseed(self, seed: int) -> None:
-        """Seed the sampler's generator (on CPU and every CUDA device) for the next generate call."""
-        torch.manual_seed(seed)
-
-    def rlkit_reload(self, weights_path: str) -> None:
-        """Reload every weight in place from the safetensors files in ``weights_path``.
-
-        An output head tied to the input embedding is loaded through the embedding only, so what the
-        head derived from it at load time (vLLM's CPU backend packs it for its matmul) is rebuilt here.
-        """
-        self.reload_weights(weights_path=weights_path)
-        self._rlkit_refresh_tied_head()
-
-    def rlkit_reload_shared(self, payload: bytes) -> None:
-        """Reload every weight in place from another process's CUDA buffers (pickled IPC handles and
-        layouts from :func:`_flat_buckets`), on this engine's GPU."""
-        weights = []
-        for (rebuild, args), layout in pickle.loads(payload):
-            args = list(args)
-            args[6] = torch.cuda.current_device()  # the storage's device, as numbered in the sender
-            buffer = rebuild(*args)
-            weights += [(name, buffer[start : start + math.prod(shape)].view(shape)) for name, shape, start in layout]
-        self.reload_weights(weights_iterator=iter(weights))
-        self._rlkit_refresh_tied_head()
-        torch.cuda.synchronize()  # done reading before the sender frees its buffers
-
-    def _rlkit_refresh_tied_head(self) -> None:
-        model = self.model_runner.get_model()
-        head = getattr(model, "lm_head", None)
-        weight = getattr(head, "weight", None)
-        tied = any(
-            p is weight for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith("lm_head.")
-        )
-        if tied:
-            head.quant_method.process_weights_after_loading(head)
-
-
-def _to_generation(completions: list, width: int, pad_token_id: int, device: torch.device) -> Generation:
-    """vLLM CompletionOutputs (token ids through the end-of-text token, flat log-probs of the sampled
-    tokens) -> padded [len, width] tensors."""
-    rows = len(completions)
-    ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(rows, width)
-    logprobs = torch.zeros(rows, width)
-    for i, c in enumerate(completions):
-        k = len(c.token_ids)
-        ids[i, :k] = torch.tensor(c.token_ids, dtype=torch.long)
-        mask[i, :k] = 1.0
-        logprobs[i, :k] = torch.tensor(c.logprobs.logprobs)  # FlatLogprobs: one entry per position
+def _to_generation(
+    completions: list, rows: torch.Tensor, width: int, pad_token_id: int, device: torch.device
+) -> Generation:
+    """vLLM CompletionOutputs (token ids through the end-of-text token; flat log-probs of the sampled
+    tokens where ``rows`` [len] is True) -> padded [len, width] tensors, filled in one scatter each."""
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    ids[mask] = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in completions)), dtype=torch.long)
+    logprobs = torch.zeros(len(completions), width)
+    logprobs[~rows] = float("nan")
+    kept = [c.logprobs.logprobs for c, r in zip(completions, rows.tolist(), strict=True) if r]
+    flat = torch.tensor(list(itertools.chain.from_iterable(kept)), dtype=torch.float32)
+    if flat.numel() != int(lengths[rows].sum()):
+        raise RuntimeError(f"vLLM returned {flat.numel()} log-probs for {int(lengths[rows].sum())} sampled tokens")
+    logprobs[mask & rows.unsqueeze(1)] = flat  # FlatLogprobs: one entry per position with logprobs=0
     reasons = [c.finish_reason for c in completions]
     if not set(reasons) <= {"stop", "length"}:
         raise RuntimeError(f"vLLM finished requests with {sorted(set(reasons))}; expected 'stop' or 'length'")
     return Generation(
-        response_ids=ids.to(device), response_mask=mask.to(device), logprobs=logprobs.to(device), finish_reason=reasons
+        response_ids=ids.to(device),
+        response_mask=mask.float().to(device),
+        logprobs=logprobs.to(device),
+        logprob_rows=rows.to(device),
+        finish_reason=reasons,
     )
 
 
 def _vllm_processes() -> list[psutil.Process]:
     """This process's descendants that vLLM started (it titles them ``VLLM::EngineCore``, ``VLLM::Worker``...)."""
     return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
-
-
-def _buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int, *, device: str | None
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Group (name, full tensor) pairs into dicts of about ``max_bytes``, cast to ``dtype`` and moved to
-    ``device`` (None: each stays where it is)."""
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in weights:
-        moved = tensor.detach().to(device=device, dtype=dtype).contiguous()
-        bucket[name] = moved
-        size += moved.numel() * moved.element_size()
-        if size >= max_bytes:
-            yield bucket
-            bucket, size = {}, 0
-    if bucket:
-        yield bucket
-
-
-def _flat_buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int
-) -> Iterator[tuple[torch.Tensor, list[tuple[str, tuple[int, ...], int]]]]:
-    """:func:`_buckets` on the tensors' own device, each packed into one 1-D buffer; yields
-    (buffer, [(name, shape, start element)])."""
-    for bucket in _buckets(weights, dtype, max_bytes, device=None):
-        starts = itertools.accumulate((t.numel() for t in bucket.values()), initial=0)
-        layout = [(name, tuple(t.shape), start) for (name, t), start in zip(bucket.items(), starts, strict=True)]
-        yield torch.cat([t.reshape(-1) for t in bucket.values()]), layout
-
-
-def _save(bucket: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(bucket, str(path), metadata={"format": "pt"})
 
 
 def _scratch_root(model_dir: Path) -> str | None:

@@ -1,4 +1,7 @@
-"""Phase orchestration on the controller (Trainer) and the per-rank work it drives (policy_worker)."""
+"""The controller: phase orchestration (Trainer), the step's metrics row, checkpoints on disk.
+
+Nothing here runs on the workers: the rank-side roles are in rlkit.workers.
+"""
 
 from rlkit.trainer.trainer import Trainer
 

@@ -1,9 +1,10 @@
 """Checkpoint folders on disk: atomic publication, discovery of the latest complete one, keep-last-K.
 
 A checkpoint is ``<root>/step-<N>/`` holding ``trainer.json`` (config, step,
-prompt position, history), ``shards/`` (distributed checkpoint of model and
-optimizer), ``rank<r>.pt`` (schedule and RNG per rank) and ``hf/`` (a Hugging
-Face export). It is written under a hidden ``.step-<N>.partial-*`` name and
+prompt position, history), ``actor/`` (distributed checkpoint of the actor and
+its optimizer), ``actor_rank<r>.pt`` and ``rng_rank<r>.pt`` (schedule and RNG
+per rank), with PPO ``critic/`` and ``critic_rank<r>.pt``, and ``hf/`` (a
+Hugging Face export). It is written under a hidden ``.step-<N>.partial-*`` name and
 renamed into place only when complete, so a crash mid-save leaves the previous
 checkpoints untouched and the partial one is never picked up.
 """
@@ -30,7 +31,7 @@ def partial_dir(root: Path, step: int) -> Path:
 
 
 def publish(partial: Path, step: int, meta: dict[str, Any], keep_last: int) -> Path:
-    """Write the metadata last, fsync, rename ``partial`` to ``step-<N>``, then drop all but the newest ``keep_last``."""
+    """Write the metadata last, fsync, rename ``partial`` to ``step-<N>``, then drop all but the last ``keep_last``."""
     meta_path = partial / META
     with open(meta_path, "w") as f:
         json.dump(meta, f)

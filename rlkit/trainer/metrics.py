@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rlkit.algos import explained_variance, kl_estimate
+import math
+
+from rlkit.algos import explained_variance, kl_estimate, masked_mean
 from rlkit.data.batch import Batch
 
 PHASES = ("rollout", "score", "advantages", "update")
@@ -12,7 +14,7 @@ def step_metrics(
     *,
     step: int,
     batch: Batch,
-    update_stats: dict[str, float],
+    update_metrics: dict[str, float],
     phase_times: dict[str, float],
     worker_times: dict[str, float],
     memory: list[dict[str, float]],
@@ -20,15 +22,14 @@ def step_metrics(
 ) -> dict[str, float]:
     """Flatten one step into numbers.
 
-    ``phase_times`` are controller wall seconds per phase; ``worker_times`` the
-    slowest rank's seconds inside each phase (generate, logprobs, reference,
-    update, sync); ``memory`` one dict per rank (MiB). ``kl/mean`` is the k3
-    estimate of KL(policy || reference) per response token at rollout time (0
-    without a reference), whichever estimator the loss or reward uses.
+    ``update_metrics`` are the roles' named metrics (actor/..., critic/...); ``phase_times`` are
+    controller wall seconds per phase; ``worker_times`` the slowest rank's seconds inside each
+    phase (generate, logprobs, reference, update, sync); ``memory`` one dict per rank (MiB).
+    ``kl/mean`` is the k3 estimate of KL(policy || reference) per response token at rollout time
+    (0 without a reference), whichever estimator the loss or reward uses.
     """
     lengths = batch.response_lengths.float()
     mask = batch.response_mask
-    gap = (batch.logprobs - batch.rollout_logprobs).abs() * mask
     row: dict[str, float] = {
         "step": step,
         "reward/mean": batch.rewards.mean().item(),
@@ -37,10 +38,9 @@ def step_metrics(
         "response/length/mean": lengths.mean().item(),
         "response/length/max": lengths.max().item(),
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
-        "rollout/logprob_gap/mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
-        "rollout/logprob_gap/max": gap.max().item(),
+        **_gap_metrics(batch),
         **_algorithm_metrics(batch),
-        **update_stats,
+        **update_metrics,
         "perf/tokens_per_s": (batch.attention_mask.sum().item()) / step_seconds,
         "perf/rollout_tokens_per_s": mask.sum().item() / max(worker_times.get("generate", 0.0), 1e-9),
         "time/step": step_seconds,
@@ -53,39 +53,42 @@ def step_metrics(
     return row
 
 
+def _gap_metrics(batch: Batch) -> dict[str, float]:
+    """The trainer-vs-engine log-prob gap over the tokens the engine returned log-probs for (NaN if none)."""
+    mean, gap = batch.logprob_gap_mean(), batch.logprob_gap_tokens()
+    checked = batch.engine_checked()
+    return {
+        "rollout/logprob_gap/mean": math.nan if mean is None else mean,
+        "rollout/logprob_gap/max": math.nan if mean is None or gap is None else gap.max().item(),
+        "rollout/logprob_gap/checked_frac": checked.sum().item() / max(batch.response_mask.sum().item(), 1.0),
+    }
+
+
 def _algorithm_metrics(batch: Batch) -> dict[str, float]:
     """KL to the reference, advantage spread and, with a critic, how well its values predict the returns."""
     mask = batch.response_mask
-    tokens = mask.sum().clamp(min=1)
     kl = 0.0
-    if batch.ref_logprobs is not None:
-        kl = ((kl_estimate(batch.logprobs, batch.ref_logprobs, "k3") * mask).sum() / tokens).item()
+    if batch.ref_logprobs is not None and batch.old_logprobs is not None:
+        kl = masked_mean(kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), mask).item()
     row = {
         "kl/mean": kl,
-        "advantages/mean": ((batch.advantages * mask).sum() / tokens).item(),
+        "advantages/mean": masked_mean(batch.advantages, mask).item(),
         "advantages/abs_max": (batch.advantages * mask).abs().max().item(),
     }
     if batch.values is not None:
         row["critic/explained_variance"] = explained_variance(batch.values, batch.returns, mask)
-        row["critic/values/mean"] = ((batch.values * mask).sum() / tokens).item()
-        row["critic/returns/mean"] = ((batch.returns * mask).sum() / tokens).item()
+        row["critic/values/mean"] = masked_mean(batch.values, mask).item()
+        row["critic/returns/mean"] = masked_mean(batch.returns, mask).item()
     return row
 
 
 def logprob_gap_warning(batch: Batch, limit: float) -> str | None:
-    """A warning when the mean |trainer - rollout| log-prob over response tokens exceeds ``limit`` (0: never).
-
-    The engine sampled with the weights it holds and the trainer scores with its own, so a weight sync
-    that did not take (or a precision mismatch) shows up as a gap.
-    """
-    if not limit or batch.logprobs is None:
-        return None
-    mask = batch.response_mask
-    gap = ((batch.logprobs - batch.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
-    if gap.item() <= limit:
+    """A warning when the mean |trainer - rollout| log-prob over response tokens exceeds ``limit`` (0: never)."""
+    gap = batch.logprob_gap_mean()
+    if not limit or gap is None or gap <= limit:
         return None
     return (
-        f"rollout log-probs differ from the trainer's by {gap.item():.4f} nats per token on average "
+        f"rollout log-probs differ from the trainer's by {gap:.4f} nats per token on average "
         f"(rollout.max_logprob_gap={limit}): the rollout engine is not sampling from the trainer's weights; "
         "check the weight sync (time/worker/sync, engine logs) or a dtype mismatch between engine and actor"
     )

@@ -1,11 +1,22 @@
-"""The controller's view of an RL run: one method per phase, each returning data a person can read."""
+"""The controller's view of an RL run: one method per phase, each returning data a person can read.
+
+Every phase is a call of a role's method on all ranks (rlkit.workers, through
+rlkit.runtime.RoleGroup) between pure steps on the controller. One step:
+
+    rollout     PolicyWorker.rollout      generate, then score with the actor / reference
+                CriticWorker.values       (PPO) the critic's values of the samples
+    score       reward functions          here, on the controller (a reward model: RewardModelWorker.score)
+    advantages  rlkit.algos estimators    here, on the controller
+    update      CriticWorker.update       (PPO) the critic's optimizer steps
+                PolicyWorker.update       the actor's optimizer steps, then the weight sync into the engine
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +24,24 @@ import pandas as pd
 import torch
 
 from rlkit import diagnostics
-from rlkit.algos import AdvantageFn
-from rlkit.config import ConfigError, PPOConfig, RLConfig, config_from_dict
+from rlkit.algos import AdvantageFn, PolicyLossFn, overlong_penalty
+from rlkit.config import PPOConfig, RLConfig, config_from_dict
 from rlkit.data.batch import Batch
-from rlkit.data.prompts import PromptSource
-from rlkit.data.rewards import RewardError, RewardFn, WeightedReward, compute_rewards, reward_terms
+from rlkit.data.rewards import RewardError, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
-from rlkit.runtime import Cluster, PerRank
-from rlkit.trainer import checkpoints, critic, diagnose, policy_worker, reward_model
-from rlkit.trainer.estimate import estimate_advantages
+from rlkit.runtime import Cluster, PerRank, RoleGroup
+from rlkit.trainer import checkpoints
+from rlkit.trainer.advantages import estimate_advantages
+from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tokenize_prompts
+from rlkit.trainer.inputs import Rewards, task_defaults
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
-from rlkit.trainer.objective import PolicyLossFn
+from rlkit.trainer.model_reward import ModelReward
+from rlkit.trainer.sampling import refill_informative
+from rlkit.workers import CriticWorker, PolicyWorker
+from rlkit.workers.phases import PhaseReport
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
-Rewards = RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]]
 
 
 class Trainer:
@@ -39,9 +53,12 @@ class Trainer:
     inspected; only :meth:`update` changes the models.
 
     ``advantage_fn(inputs: rlkit.algos.AdvantageInputs) -> (advantages, returns)``, both [B, T],
-    replaces the config's estimator; ``policy_loss_fn(logprobs, old_logprobs, advantages,
+    replaces the config's estimator; ``policy_loss_fn(new_logprobs, old_logprobs, advantages,
     response_mask) -> (loss, clipped)``, all [B, T] per token, replaces PPO's clipped surrogate
     (it travels to the workers by value). See rlkit.algos for the built-in ones.
+
+    The learning-rate schedule spans ``config.steps`` steps; steps past it (``fit(steps=N)`` beyond
+    it) run at the schedule's last value (lr, or ``min_lr_ratio * lr`` for cosine), with a warning.
     """
 
     def __init__(
@@ -58,10 +75,8 @@ class Trainer:
         self.cluster = cluster
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.reward_fn, self._prompts = _task_defaults(config, reward_fn, prompts)
-        self._model_rewards: list[WeightedReward] = []
+        self.reward_fn, self._prompts = task_defaults(config, reward_fn, prompts)
         self._advantage_fn = advantage_fn
-        self.has_critic = isinstance(config, PPOConfig)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         self.steps_done = 0
         self.last_batch: Batch | None = None
@@ -69,13 +84,12 @@ class Trainer:
         self._phase_times: dict[str, float] = {}
         self._worker_times: dict[str, float] = {}
         self._memory: list[dict[str, float]] = []
-        cluster.run(policy_worker.setup, config.to_dict(), str(self.model_dir), policy_loss_fn)
-        if self.has_critic:
-            cluster.run(critic.setup, config.to_dict(), str(self.model_dir))
-        if config.reward_model.path:
-            cluster.run(reward_model.setup, config.to_dict())
-            rm = reward_model.ModelReward(cluster)
-            self._model_rewards = [WeightedReward("reward_model", rm, config.reward_model.weight)]
+        self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn)
+        self._critic: RoleGroup[CriticWorker] | None = None
+        if isinstance(config, PPOConfig):
+            critic_dir = resolve_model_dir(config.critic.model) if config.critic.model else self.model_dir
+            self._critic = RoleGroup(cluster, CriticWorker, config, str(critic_dir))
+        self._reward_model = ModelReward(cluster, config) if config.reward_model.path else None
 
     @property
     def reward_fn(self) -> Rewards | None:
@@ -88,6 +102,10 @@ class Trainer:
         self._reward_fn = spec
 
     @property
+    def has_critic(self) -> bool:
+        return self._critic is not None
+
+    @property
     def history(self) -> pd.DataFrame:
         """One row of metrics per completed step."""
         return pd.DataFrame(self._rows)
@@ -98,35 +116,44 @@ class Trainer:
         """Sample the next prompts, generate ``group_size`` completions each, and score them with the actor.
 
         Returns a Batch with completions, engine and trainer log-probs (the latter only after the
-        update with ``recompute_logprobs=False``; and reference log-probs, and the critic's values with PPO).
+        update with ``recompute_logprobs=False``), reference log-probs, and the critic's values with PPO.
         """
+        return self._rollout(0)
+
+    def _rollout(self, refill: int) -> Batch:
+        """:meth:`rollout`; ``refill`` > 0 is dynamic sampling's extra draw of the step (own seeds and group ids)."""
         cfg = self.config
         start = time.perf_counter()
         position = self._prompts.state_dict()
         items = self._prompts.next(cfg.prompts_per_step)
         try:
-            prompt_ids, prompt_mask = self._tokenize([item["prompt"] for item in items])
+            prompt_ids, prompt_mask = tokenize_prompts(
+                self.tokenizer, [item["prompt"] for item in items], cfg.rollout.max_prompt_tokens
+            )
         except ValueError:
             self._prompts.load_state_dict(position)
             raise
         ranks = self.cluster.world_size
-        seeds = [cfg.seed * 1_000_003 + self.steps_done * ranks + r for r in range(ranks)]
-        results = self.cluster.run(
-            policy_worker.rollout,
+        seeds = [cfg.seed * 1_000_003 + self.steps_done * ranks + refill * 7_919_111 + r for r in range(ranks)]
+        results = self._policy.call(
+            PolicyWorker.rollout,
             PerRank(list(prompt_ids.chunk(ranks))),
             PerRank(list(prompt_mask.chunk(ranks))),
             PerRank(seeds),
         )
-        batch = self._assemble(items, prompt_ids, prompt_mask, results)
+        batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
+        batch.group += refill * cfg.prompts_per_step
         self._record("rollout", start, results)
-        if self.has_critic:
-            values = self.cluster.run(
-                critic.values, PerRank(list(batch.input_ids.chunk(ranks))), PerRank(list(batch.attention_mask.chunk(ranks)))
+        if self._critic is not None:
+            values = self._critic.call(
+                CriticWorker.values,
+                PerRank(list(batch.input_ids.chunk(ranks))),
+                PerRank(list(batch.attention_mask.chunk(ranks))),
             )
-            batch.values = torch.cat([v["values"] for v in values]) * batch.response_mask
+            batch.values = torch.cat([v.values for v in values])
             self._record("rollout", start, values)
         if warning := logprob_gap_warning(batch, cfg.rollout.max_logprob_gap):
-            log.warning(warning)
+            logger.warning(warning)
         return batch
 
     def score(self, batch: Batch) -> Batch:
@@ -135,9 +162,18 @@ class Trainer:
         A reward function that raises or returns bad values raises RewardError; ``batch`` is untouched.
         """
         start = time.perf_counter()
-        terms = self._rewards + self._model_rewards
-        total, terms = compute_rewards(terms, batch.prompts, batch.completions, batch.fields)
-        batch.rewards, batch.reward_terms = total, terms
+        scored = {}
+        if self._reward_model is not None:  # on the workers: a dead rank surfaces as WorkerDied, not as RewardError
+            scores = self._reward_model(batch.prompts, batch.completions)
+            scored["reward_model"] = (torch.tensor(scores), self.config.reward_model.weight)
+        cfg = self.config
+        if cfg.overlong_buffer:  # DAPO's soft overlong punishment, a reward term of its own
+            lengths = batch.response_lengths
+            penalty = overlong_penalty(lengths, max_new_tokens=cfg.rollout.max_new_tokens, buffer=cfg.overlong_buffer,
+                                       penalty=cfg.overlong_penalty)  # fmt: skip
+            scored["overlong"] = (penalty, 1.0)
+        total, by_name = compute_rewards(self._rewards, batch.prompts, batch.completions, batch.fields, scored=scored)
+        batch.rewards, batch.reward_terms = total, by_name
         self._phase_times["score"] = time.perf_counter() - start
         return batch
 
@@ -152,44 +188,31 @@ class Trainer:
         return batch
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One critic update (PPO) and one policy update on ``batch`` across all ranks, then weight sync.
+        """One critic update (PPO) and one policy update on ``batch`` across all ranks, then the weight sync.
 
-        Returns the update's metrics (policy loss, clip fraction, entropy, grad norm, per-rank
-        agreement; with PPO the critic's loss and value clip fraction).
+        Returns the roles' named metrics (actor/loss, actor/clipfrac, actor/entropy, actor/grad_norm,
+        actor/lr, ...; with PPO critic/loss, critic/value_clipfrac, ...), the same on every rank, plus
+        actor/grad_norm_rank_spread (0 when the ranks agree).
         """
         if batch.advantages is None:
             raise ValueError("the batch has no advantages yet: call trainer.advantages(batch) first")
         start = time.perf_counter()
-        shards = [
-            {
-                "input_ids": s.input_ids,
-                "attention_mask": s.attention_mask,
-                "response_mask": s.response_mask,
-                "logprobs": s.logprobs,
-                "ref_logprobs": s.ref_logprobs,
-                "advantages": s.advantages,
-            }
-            for s in batch.split(self.cluster.world_size)
-        ]
-        critic_stats = {}
-        if self.has_critic:
-            critic_shards = [
-                {k: getattr(s, k) for k in ("input_ids", "attention_mask", "response_mask", "values", "returns")}
-                for s in batch.split(self.cluster.world_size)
-            ]
-            critic_results = self.cluster.run(critic.update, PerRank(critic_shards))
+        shards = batch.split(self.cluster.world_size)
+        metrics: dict[str, float] = {}
+        if self._critic is not None:
+            critic_rows_per_rank = [critic_rows(shard) for shard in shards]
+            critic_results = self._critic.call(CriticWorker.update, PerRank(critic_rows_per_rank))
             self._record("update", start, critic_results)
-            critic_stats = {k: v for k, v in critic_results[0].items() if isinstance(v, (int, float))}
-        results = self.cluster.run(policy_worker.update, PerRank(shards))
+            metrics.update(critic_results[0].metrics)
+        rows = [policy_rows(shard, self.config.mask_truncated) for shard in shards]
+        results = self._policy.call(PolicyWorker.update, PerRank(rows))
         self._record("update", start, results)
-        if batch.logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout
-            batch.logprobs = torch.cat([r["logprobs"] for r in results])
+        if batch.old_logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout
+            batch.old_logprobs = torch.cat([r.old_logprobs for r in results if r.old_logprobs is not None])
             if warning := logprob_gap_warning(batch, self.config.rollout.max_logprob_gap):
-                log.warning(warning)
-        stats = {**critic_stats, **{k: v for k, v in results[0].items() if isinstance(v, (int, float))}}
-        norms = [r["grad/norm"] for r in results]
-        stats["grad/norm_rank_spread"] = max(norms) - min(norms)
-        return stats
+                logger.warning(warning)
+        norms = [r.metrics["actor/grad_norm"] for r in results]
+        return {**metrics, **results[0].metrics, "actor/grad_norm_rank_spread": max(norms) - min(norms)}
 
     # -- loops ----------------------------------------------------------------------------------
 
@@ -199,25 +222,29 @@ class Trainer:
         Given ``batch`` (e.g. ``trainer.last_batch`` after a reward function failed), the step goes on
         from that rollout instead of generating a new one.
         """
+        if self.steps_done == self.config.steps:
+            logger.warning(
+                "step %d is past config.steps=%d, which the learning-rate schedule spans: it holds its last value",
+                self.steps_done + 1,
+                self.config.steps,
+            )
+        cfg = self.config
         start = time.perf_counter()
         self._phase_times, self._worker_times = {}, {}
-        if batch is None:
-            batch = self.rollout()
-        self.last_batch = batch
-        try:
-            self.score(batch)
-        except RewardError as exc:
-            raise RewardError(
-                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
-                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
-            ) from exc
+        batch = self._scored(self.rollout() if batch is None else batch)
+        sampling = {}
+        if cfg.dynamic_sampling:
+            batch, sampling = refill_informative(
+                batch, self._scored_refill, groups=cfg.prompts_per_step, max_rounds=cfg.max_refill_rounds
+            )
+            self.last_batch = batch
         self.advantages(batch)
-        stats = self.update(batch)
+        metrics = {**self.update(batch), **sampling}
         self.steps_done += 1
         row = step_metrics(
             step=self.steps_done,
             batch=batch,
-            update_stats=stats,
+            update_metrics=metrics,
             phase_times=self._phase_times,
             worker_times=self._worker_times,
             memory=self._memory,
@@ -226,7 +253,23 @@ class Trainer:
         self._rows.append(row)
         return row
 
-    def fit(self, steps: int | None = None, *, progress: bool = True, on_step: Callable[[dict], None] | None = None) -> pd.DataFrame:
+    def _scored(self, batch: Batch) -> Batch:
+        """``batch`` scored, kept in :attr:`last_batch` so that a reward function that fails loses nothing."""
+        self.last_batch = batch
+        try:
+            return self.score(batch)
+        except RewardError as exc:
+            raise RewardError(
+                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
+                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
+            ) from exc
+
+    def _scored_refill(self, refill: int) -> Batch:
+        return self._scored(self._rollout(refill))
+
+    def fit(
+        self, steps: int | None = None, *, progress: bool = True, on_step: Callable[[dict], None] | None = None
+    ) -> pd.DataFrame:
         """Run ``steps`` steps (default ``config.steps``) with a progress bar; returns :attr:`history`.
 
         ``on_step(row)`` is called after each step (the CLI prints from it).
@@ -258,11 +301,10 @@ class Trainer:
 
         Atomic: it appears only when complete. All but the newest ``config.checkpoint.keep_last`` are dropped.
         """
-        root = Path(path)
-        partial = checkpoints.partial_dir(root, self.steps_done)
-        self.cluster.run(policy_worker.save, str(partial), self.config.checkpoint.export_hf)
-        if self.has_critic:
-            self.cluster.run(critic.save, str(partial))
+        partial = checkpoints.partial_dir(Path(path), self.steps_done)
+        self._policy.call(PolicyWorker.save, str(partial), self.config.checkpoint.export_hf)
+        if self._critic is not None:
+            self._critic.call(CriticWorker.save, str(partial))
         meta = {
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
@@ -298,89 +340,41 @@ class Trainer:
             advantage_fn=advantage_fn,
             policy_loss_fn=policy_loss_fn,
         )
-        cluster.run(policy_worker.load, str(checkpoint))
-        if trainer.has_critic:
-            cluster.run(critic.load, str(checkpoint))
+        trainer._policy.call(PolicyWorker.load, str(checkpoint))
+        if trainer._critic is not None:
+            trainer._critic.call(CriticWorker.load, str(checkpoint))
         trainer.steps_done = meta["steps_done"]
         trainer._rows = meta["history"]
         trainer._prompts.load_state_dict(meta["prompts"])
-        log.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
+        logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer
 
-    # -- diagnostics (rlkit.diagnostics on every rank, combined here) ----------------------------
+    # -- diagnostics (each rank's plain data, combined by rlkit.diagnostics) ----------------------
 
     def sharding(self) -> diagnostics.Sharding:
         """How the actor is sharded (units, parameters, totals per rank; reference and engine holdings)."""
-        return diagnose.sharding(self.cluster)
+        return diagnostics.sharding(self._policy.call(PolicyWorker.inspect))
 
     def memory(self) -> pd.DataFrame:
         """Each rank's memory at the phase boundaries of the last step, broken down by what holds it."""
-        return diagnose.memory(self.cluster)
+        return diagnostics.memory_table(self._policy.call(PolicyWorker.memory_marks))
 
     def grad_norms(self) -> diagnostics.GradNorms:
         """The last optimizer step's per-rank, per-unit gradient norms, the true global norm, disagreements."""
-        return diagnose.grad_norms(self.cluster)
+        reports = self._policy.call(PolicyWorker.grad_report)
+        if any(r is None for r in reports):
+            raise RuntimeError("no update has run yet: call trainer.update(batch) or trainer.step() first")
+        return diagnostics.grad_norms([r for r in reports if r is not None])
 
     def lint(self) -> diagnostics.Findings:
         """FSDP lint over every rank's actor, optimizer, reference and rollout engine."""
-        return diagnose.lint(self.cluster)
+        return diagnostics.lint(self._policy.call(PolicyWorker.inspect))
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, P] left-padded ids and mask; raises ValueError naming every prompt that is too long."""
-        limit = self.config.rollout.max_prompt_tokens
-        lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]]
-        bad = [f"prompt {i} ({n} tokens): {texts[i][:60]!r}" for i, n in enumerate(lengths) if n > limit or n == 0]
-        if bad:
-            raise ValueError(
-                f"{len(bad)} prompt(s) are empty or longer than rollout.max_prompt_tokens={limit}; "
-                "shorten them or raise the limit:\n" + "\n".join(f"  - {b}" for b in bad)
-            )
-        enc = self.tokenizer(texts, padding=True, return_tensors="pt")
-        return enc["input_ids"], enc["attention_mask"]
-
-    def _assemble(self, items: list[dict], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, results: list[dict]) -> Batch:
-        g = self.config.group_size
-        response_ids = torch.cat([r["response_ids"] for r in results])
-        ref = [r["ref_logprobs"] for r in results]
-        scored = [r["logprobs"] for r in results]
-        fields = {k: [item[k] for item in items for _ in range(g)] for k in items[0] if k != "prompt"}
-        return Batch(
-            prompts=[item["prompt"] for item in items for _ in range(g)],
-            completions=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
-            input_ids=torch.cat([prompt_ids.repeat_interleave(g, dim=0), response_ids], dim=1),
-            attention_mask=torch.cat(
-                [prompt_mask.repeat_interleave(g, dim=0), torch.cat([r["response_mask"] for r in results]).long()], dim=1
-            ),
-            response_mask=torch.cat([r["response_mask"] for r in results]),
-            rollout_logprobs=torch.cat([r["rollout_logprobs"] for r in results]),
-            logprobs=None if scored[0] is None else torch.cat(scored),
-            ref_logprobs=None if ref[0] is None else torch.cat(ref),
-            group=torch.arange(len(items)).repeat_interleave(g),
-            rank=torch.cat([torch.full((len(r["response_ids"]),), i) for i, r in enumerate(results)]),
-            finish_reason=sum((r["finish_reason"] for r in results), []),
-            fields=fields,
-        )
-
-    def _record(self, phase: str, start: float, results: list[dict]) -> None:
+    def _record(self, phase: str, start: float, results: Sequence[PhaseReport]) -> None:
         """Keep the phase's wall time, the slowest rank's inner times, and each rank's memory."""
         self._phase_times[phase] = time.perf_counter() - start
-        for name in results[0]["times"]:
-            self._worker_times[name] = max(r["times"][name] for r in results)
-        self._memory = [r["memory_mb"] for r in results]
-
-
-def _task_defaults(config: RLConfig, reward_fn: Rewards | None, prompts) -> tuple[Rewards | None, PromptSource]:
-    """Fill in the bundled task for model="tiny"; any other model needs prompts, and reward_fn unless a
-    reward model is configured. With a reward model and no reward_fn, the reward model alone scores."""
-    has_rm = bool(config.reward_model.path)
-    missing = [n for n, absent in (("reward_fn", reward_fn is None and not has_rm), ("prompts", prompts is None)) if absent]
-    if config.model != "tiny" and missing:
-        raise ConfigError([f"{' and '.join(missing)} missing: only model='tiny' has a bundled task and reward"])
-    from rlkit.data.tasks import AdditionTask, addition_reward
-
-    source = PromptSource(prompts, seed=config.seed) if prompts is not None else PromptSource(task=AdditionTask(), seed=config.seed)
-    if reward_fn is None and not has_rm:
-        reward_fn = addition_reward
-    return reward_fn, source
+        for name in results[0].times:
+            self._worker_times[name] = max(r.times[name] for r in results)
+        self._memory = [r.memory_mb for r in results]

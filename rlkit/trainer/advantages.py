@@ -1,4 +1,4 @@
-"""The advantages phase on the controller: token rewards (with the KL penalty) -> an estimator -> advantages, returns."""
+"""The advantages phase on the controller: token rewards (with the KL penalty) -> an estimator -> advantages."""
 
 from __future__ import annotations
 
@@ -16,16 +16,19 @@ def advantage_inputs(batch: Batch, config: RLConfig) -> AdvantageInputs:
     if config.kl_mode == "reward" and batch.ref_logprobs is not None:
         token_rewards = kl_reward_penalty(
             token_rewards,
-            batch.logprobs,
+            batch.old_logprobs,
             batch.ref_logprobs,
             batch.response_mask,
             coef=config.kl_coef,
             estimator=config.kl_estimator,
+            clamp=config.kl_clamp,
+            log_ratio_clamp=config.log_ratio_clamp,
         )
     return AdvantageInputs(
         token_rewards=token_rewards,
         response_mask=batch.response_mask,
         group_size=config.group_size,
+        group=batch.group,
         values=batch.values,
         gamma=config.gamma,
         lam=config.lam,
@@ -35,5 +38,5 @@ def advantage_inputs(batch: Batch, config: RLConfig) -> AdvantageInputs:
 def estimate_advantages(
     batch: Batch, config: RLConfig, advantage_fn: AdvantageFn | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] advantages and returns from ``advantage_fn`` if given, else the estimator named by ``config.advantage``."""
+    """[B, T] advantages and returns from ``advantage_fn`` if given, else from the estimator ``config.advantage``."""
     return compute_advantages(advantage_fn or config.advantage, advantage_inputs(batch, config))

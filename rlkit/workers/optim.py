@@ -1,4 +1,8 @@
-"""The actor's optimizer and learning-rate schedule (built after FSDP wrapping)."""
+"""Runs on every rank: AdamW and its learning-rate schedule, built after FSDP wrapping.
+
+Past ``total`` optimizer steps the schedule holds its last value: lr for "constant", and
+``min_lr_ratio * lr`` for "cosine".
+"""
 
 from __future__ import annotations
 

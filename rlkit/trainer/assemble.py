@@ -1,0 +1,82 @@
+"""The controller's side of the rank calls: prompts into token ids, the ranks' rollouts into one Batch, and a
+Batch into each rank's rows for the updates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlkit.algos import mask_truncated
+from rlkit.data.batch import Batch
+from rlkit.workers import CriticRows, PolicyRows, RolloutResult
+
+
+def tokenize_prompts(tokenizer: Any, texts: list[str], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, P] left-padded ids and mask; raises ValueError naming every prompt that is empty or over ``limit`` tokens."""
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    bad = [f"prompt {i} ({n} tokens): {texts[i][:60]!r}" for i, n in enumerate(lengths) if n > limit or n == 0]
+    if bad:
+        raise ValueError(
+            f"{len(bad)} prompt(s) are empty or longer than rollout.max_prompt_tokens={limit}; "
+            "shorten them or raise the limit:\n" + "\n".join(f"  - {b}" for b in bad)
+        )
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def assemble_batch(
+    tokenizer: Any,
+    items: list[dict[str, Any]],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    results: list[RolloutResult],
+    group_size: int,
+) -> Batch:
+    """One Batch from the prompts ([N, P]) and each rank's RolloutResult (rank r holds prompts r*N/R ..)."""
+    g = group_size
+    response_ids = torch.cat([r.response_ids for r in results])
+    response_mask = torch.cat([r.response_mask for r in results])
+    old = [r.old_logprobs for r in results]
+    ref = [r.ref_logprobs for r in results]
+    fields = {k: [item[k] for item in items for _ in range(g)] for k in items[0] if k != "prompt"}
+    return Batch(
+        prompts=[item["prompt"] for item in items for _ in range(g)],
+        completions=tokenizer.batch_decode(response_ids, skip_special_tokens=True),
+        input_ids=torch.cat([prompt_ids.repeat_interleave(g, dim=0), response_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask.repeat_interleave(g, dim=0), response_mask.long()], dim=1),
+        response_mask=response_mask,
+        rollout_logprobs=torch.cat([r.rollout_logprobs for r in results]),
+        rollout_logprob_rows=torch.cat([r.rollout_logprob_rows for r in results]),
+        old_logprobs=None if old[0] is None else torch.cat([t for t in old if t is not None]),
+        ref_logprobs=None if ref[0] is None else torch.cat([t for t in ref if t is not None]),
+        group=torch.arange(len(items)).repeat_interleave(g),
+        rank=torch.cat([torch.full((len(r.response_ids),), i) for i, r in enumerate(results)]),
+        finish_reason=[reason for r in results for reason in r.finish_reason],
+        fields=fields,
+    )
+
+
+def policy_rows(shard: Batch, drop_truncated: bool) -> PolicyRows:
+    """The rows of the policy update; with ``drop_truncated`` the truncated completions leave the loss (DAPO)."""
+    assert shard.advantages is not None
+    loss_mask = mask_truncated(shard.response_mask, shard.finish_reason) if drop_truncated else shard.response_mask
+    return PolicyRows(
+        input_ids=shard.input_ids,
+        attention_mask=shard.attention_mask,
+        response_mask=loss_mask,
+        advantages=shard.advantages,
+        old_logprobs=shard.old_logprobs,
+        ref_logprobs=shard.ref_logprobs,
+    )
+
+
+def critic_rows(shard: Batch) -> CriticRows:
+    assert shard.values is not None and shard.returns is not None
+    return CriticRows(
+        input_ids=shard.input_ids,
+        attention_mask=shard.attention_mask,
+        response_mask=shard.response_mask,
+        old_values=shard.values,
+        returns=shard.returns,
+    )

@@ -1,0 +1,132 @@
+"""Runs on every rank: the rows a role trains on, and the mini-/micro-batches it walks through them in.
+
+Every rank must run the same number of forward passes in a phase (FSDP's collectives pair up
+across ranks), so the generators here cut each rank's equal share the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(kw_only=True)
+class Rows:
+    """Base of the per-rank training rows: dataclasses whose fields are [n, ...] tensors (or None)."""
+
+    input_ids: torch.Tensor
+    """[n, P + T] int64 prompt (left-padded) then response (right-padded) token ids."""
+    attention_mask: torch.Tensor
+    """[n, P + T] int64, 1 on real tokens."""
+    response_mask: torch.Tensor
+    """[n, T] float32, 1 on generated tokens."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self: RowsT, index: slice | torch.Tensor) -> RowsT:
+        """The rows at ``index`` (a slice or an index tensor), every field alike."""
+        return dataclasses.replace(self, **{name: value[index] for name, value in self._tensors().items()})
+
+    def to(self: RowsT, device: torch.device) -> RowsT:
+        return dataclasses.replace(self, **{name: value.to(device) for name, value in self._tensors().items()})
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: value for name, value in values.items() if value is not None}
+
+
+RowsT = TypeVar("RowsT", bound=Rows)
+
+
+@dataclass(kw_only=True)
+class PolicyRows(Rows):
+    """One rank's rows for the policy update."""
+
+    advantages: torch.Tensor
+    """[n, T] float32 per-token advantages."""
+    old_logprobs: torch.Tensor | None = None
+    """[n, T] log-probs under the policy that sampled the rows; None: the update's first forward gives them
+    (one optimizer step per batch, ``recompute_logprobs=False``)."""
+    ref_logprobs: torch.Tensor | None = None
+    """[n, T] under the frozen reference (when the loss has a KL term)."""
+
+
+@dataclass(kw_only=True)
+class CriticRows(Rows):
+    """One rank's rows for the critic update."""
+
+    old_values: torch.Tensor
+    """[n, T] the critic's values at rollout time (the value clip's anchor)."""
+    returns: torch.Tensor
+    """[n, T] the value targets."""
+
+
+def mini_batches(rows: RowsT, count: int) -> Iterator[RowsT]:
+    """``count`` equal consecutive slices of ``rows`` (one optimizer step each); len(rows) must divide."""
+    if len(rows) % count:
+        raise ValueError(f"{len(rows)} rows do not split into {count} equal mini-batches")
+    size = len(rows) // count
+    for start in range(0, len(rows), size):
+        yield rows.select(slice(start, start + size))
+
+
+def micro_batches(rows: RowsT, size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, RowsT]]:
+    """The micro-batches of ``rows`` (one forward/backward each), with the positions of their rows in ``rows``.
+
+    ``max_tokens`` = 0: consecutive slices of at most ``size`` rows. Otherwise token-budget micro-batches:
+    each holds rows of at most ``max_tokens`` real tokens in all (prompt + response, what a packed forward
+    computes), as few as fit, and EVERY rank makes as many as the rank that needs the most (one all-reduce),
+    since FSDP's collectives pair the ranks' forward passes (ranks hold equally many rows, so none is left
+    with fewer rows than micro-batches). Rows are dealt longest first, each into the lightest micro-batch,
+    so the micro-batches carry about the same tokens.
+
+    Example:
+        real tokens per row [9, 2, 7, 3], max_tokens=10: 21 tokens need at least 3 micro-batches; longest
+        first into the lightest gives rows [0] (9 tokens), [2] (7) and [3, 1] (5), all within the budget.
+    """
+    if max_tokens == 0:
+        return [
+            (torch.arange(s, min(s + size, len(rows))), rows.select(slice(s, s + size)))
+            for s in range(0, len(rows), size)
+        ]
+    lengths = rows.attention_mask.sum(dim=1).tolist()
+    count = torch.tensor(_fewest_bins(lengths, max_tokens), device=rows.input_ids.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    device = rows.input_ids.device
+    return [(torch.tensor(b), rows.select(torch.tensor(b, device=device))) for b in _balanced_bins(lengths, int(count))]
+
+
+def _balanced_bins(lengths: list[int], count: int) -> list[list[int]]:
+    """Row positions dealt into ``count`` bins, longest first, each into the bin with the fewest tokens so far."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = min(range(count), key=loads.__getitem__)
+        bins[lightest].append(i)
+        loads[lightest] += lengths[i]
+    return bins
+
+
+def _fewest_bins(lengths: list[int], max_tokens: int) -> int:
+    """The fewest bins for which :func:`_balanced_bins` keeps every bin within ``max_tokens``."""
+    count = max(1, -(-sum(lengths) // max_tokens))
+    while count < len(lengths) and any(sum(lengths[i] for i in b) > max_tokens for b in _balanced_bins(lengths, count)):
+        count += 1
+    return count
+
+
+def global_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response tokens, sequences with at least one token) of ``response_mask`` [n, T] summed over all ranks.
+
+    One all-reduce; the counts stay on the mask's device (0-dim float64 tensors), so no host sync.
+    """
+    mask = response_mask > 0
+    counts = torch.stack([mask.sum(), mask.any(dim=1).sum()]).to(torch.float64)
+    dist.all_reduce(counts)
+    return counts[0], counts[1]

@@ -1,0 +1,51 @@
+"""Runs on every rank: what the roles send back to the controller, one typed record per call.
+
+Tensors are on the CPU (they travel through shared memory or Ray's object store); metrics are
+named where they are made and already reduced over all ranks (the same on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkit.workers.phases import PhaseReport
+
+
+@dataclass(kw_only=True)
+class RolloutResult(PhaseReport):
+    """One rank's completions of its N prompts x G samples, prompt-major."""
+
+    response_ids: torch.Tensor
+    """[N*G, T] int64, padded after the end with the pad id."""
+    response_mask: torch.Tensor
+    """[N*G, T] float32, 1 on generated tokens (the end-of-text token included)."""
+    rollout_logprobs: torch.Tensor
+    """[N*G, T] float32 log-probs of the sampled tokens under the rollout engine (NaN on rows without)."""
+    rollout_logprob_rows: torch.Tensor
+    """[N*G] bool, True on the rows the engine returned log-probs for."""
+    old_logprobs: torch.Tensor | None
+    """[N*G, T] under the actor before the update (None with ``recompute_logprobs=False``)."""
+    ref_logprobs: torch.Tensor | None
+    """[N*G, T] under the frozen reference (None without a KL term)."""
+    finish_reason: list[str]
+    """N*G values, "stop" or "length"."""
+
+
+@dataclass(kw_only=True)
+class UpdateResult(PhaseReport):
+    """One role's update on one rank."""
+
+    metrics: dict[str, float]
+    """Named metrics reduced over all ranks (actor/... or critic/...), identical on every rank."""
+    old_logprobs: torch.Tensor | None = None
+    """[n, T] this rank's rows' old log-probs when the update's first forward computed them, else None."""
+
+
+@dataclass(kw_only=True)
+class ValuesResult(PhaseReport):
+    """The critic's values of one rank's rows."""
+
+    values: torch.Tensor
+    """[n, T] float32 V(s_t) per response token (0 where masked)."""

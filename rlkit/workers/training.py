@@ -1,0 +1,50 @@
+"""Runs on every rank: a model being trained (FSDP-wrapped, AdamW built after wrapping, schedule), its checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlkit.config import FSDPConfig, OptimConfig
+from rlkit.fsdp import apply_fsdp
+from rlkit.fsdp.checkpoint import load_sharded, save_sharded
+from rlkit.workers.optim import build_optimizer
+
+
+@dataclass
+class TrainedModel:
+    """This rank's shard of a trained model, its optimizer and schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, optim: OptimConfig, total_steps: int
+    ) -> TrainedModel:
+        """Shard ``model`` with FSDP, then build AdamW over the sharded parameters and a schedule of ``total_steps``."""
+        wrapped = apply_fsdp(model, mesh, fsdp)
+        optimizer, scheduler = build_optimizer(wrapped.parameters(), optim, total_steps)
+        return cls(wrapped, optimizer, scheduler)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self, directory: Path, name: str, rank: int) -> None:
+        """Shards of model and optimizer into ``directory/name``; this rank's schedule into ``name_rank<r>.pt``."""
+        save_sharded(self.model, self.optimizer, directory / name)
+        torch.save({"scheduler": self.scheduler.state_dict()}, directory / f"{name}_rank{rank}.pt")
+
+    def load(self, directory: Path, name: str, rank: int) -> None:
+        load_sharded(self.model, self.optimizer, directory / name)
+        state = torch.load(directory / f"{name}_rank{rank}.pt", weights_only=True)
+        self.scheduler.load_state_dict(state["scheduler"])
