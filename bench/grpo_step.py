@@ -10,24 +10,29 @@ step per batch; the old log-probs come from the update's own forward unless ``--
 ``--set`` overrides any config setting by its dotted name (values read as JSON, else text), e.g.
 ``rollout.sleep=always``, ``rollout.engine_logprobs=1``, ``fsdp.cpu_offload=true``, or the settings of
 issue 15 (``padding_free=false``). Prints seconds per phase, tokens/s, MFU and peak memory, averaged over
-the steps after the first; ``--bare-vllm`` then runs bare vLLM on the same rollout in this process
-(``bench/bare_vllm.py``) and prints rlkit's generation against it. ``--profile`` adds one profiled step.
+the steps after the first, and the preflight memory estimate (``rlkit.diagnostics.estimate_memory``) of each
+phase beside the peak measured there (``--estimate-only``: the estimate alone, nothing built or launched);
+``--bare-vllm`` then runs bare vLLM on the same rollout in this process (``bench/bare_vllm.py``) and prints
+rlkit's generation against it. ``--profile`` adds one profiled step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 from bare_vllm import bare_generate
 from results import write_result
 from shapes import PEAK_BF16_FLOPS, SHAPES
 from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewards, workload_lengths
 
 import rlkit
+from rlkit import diagnostics as dx
 
 
 def overrides(pairs: list[str]) -> dict:
@@ -99,7 +104,24 @@ def stop_profiler(rows: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
-def summarize(history, n_params: int, config: rlkit.GRPOConfig, args) -> dict[str, float]:
+def device_memory_gib() -> float:
+    """On a worker: its device's memory in GiB (NaN on CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+
+
+def memory_estimate(config: rlkit.GRPOConfig, args, device_gib: float) -> dx.MemoryEstimate:
+    """The preflight estimate of this run from the shape's config (fixed lengths pad nothing: no mask)."""
+    setting = dx.memory_setting(config, world_size=args.world_size, device_memory_gib=device_gib)
+    if args.lengths == "fixed":
+        setting = dataclasses.replace(setting, padding_mask=False)
+    return dx.estimate_memory({"model_type": "qwen2", **SHAPES[args.shape]}, setting)
+
+
+def summarize(history, n_params: int, config: rlkit.GRPOConfig, args, peak_gib: float) -> dict[str, float]:
     h = history.iloc[1:] if len(history) > 1 else history
     mean = lambda c: float(h[c].mean()) if c in h else 0.0  # noqa: E731
     samples = config.samples_per_step
@@ -110,7 +132,6 @@ def summarize(history, n_params: int, config: rlkit.GRPOConfig, args) -> dict[st
     workers = sum(mean(f"time/worker/{p}") for p in phases)
     forwards = int(config.recompute_logprobs) + int(config.kl_coef > 0)  # old log-probs, reference
     flops = tokens * n_params * (6 + 2 * forwards)  # train (fwd+bwd) + scoring forwards; generation excluded
-    peaks = [float(h[c].max()) for c in h.columns if c.endswith("peak_mb")]
     return {
         "step_s": step,
         **{f"{p}_s": mean(f"time/worker/{p}") for p in phases},
@@ -120,7 +141,7 @@ def summarize(history, n_params: int, config: rlkit.GRPOConfig, args) -> dict[st
         "update_tokens_per_s": tokens / max(update, 1e-9),
         "mfu_update": 6 * n_params * tokens / max(update, 1e-9) / (PEAK_BF16_FLOPS * args.world_size),
         "mfu_step": flops / step / (PEAK_BF16_FLOPS * args.world_size),
-        "peak_gib_max_rank": max(peaks) / 1024 if peaks else float("nan"),
+        "peak_gib_max_rank": peak_gib,
         "reward_mean": mean("reward/mean"),
         "logprob_gap_mean": mean("rollout/logprob_gap/mean"),
         "steps_s": [float(x) for x in history["time/step"]],
@@ -146,6 +167,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--estimate-only", action="store_true", help="print the memory estimate and stop")
+    parser.add_argument("--device-memory-gib", type=float, default=139.8, help="with --estimate-only (H200)")
     parser.add_argument("--label", default="rlkit")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -154,25 +177,37 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    lengths = workload_lengths(args, args.prompts * args.group)
-    model_dir = build_model_dir(args.shape, args.root)
-    prompts = digit_prompts(args.prompts * 4, args.prompt_len)
+def run_config(args, model: str) -> rlkit.GRPOConfig:
     fixed = args.lengths == "fixed"
     base = {
-        "model": str(model_dir), "seed": 0, "steps": args.steps, "prompts_per_step": args.prompts,
+        "model": model, "seed": 0, "steps": args.steps, "prompts_per_step": args.prompts,
         "group_size": args.group, "kl_coef": args.beta, "micro_batch_size": args.micro,
         "recompute_logprobs": args.recompute_logprobs, "optim": {"lr": 1e-6},
         "rollout": {"engine": args.engine, "max_new_tokens": args.response_len,
                     "min_new_tokens": args.response_len if fixed else 0, "max_prompt_tokens": args.prompt_len},
     }
-    config = rlkit.GRPOConfig.from_dict(merged(base, overrides(args.set)))
+    return rlkit.GRPOConfig.from_dict(merged(base, overrides(args.set)))
+
+
+def main() -> None:
+    args = parse_args()
+    lengths = workload_lengths(args, args.prompts * args.group)
+    if args.estimate_only:
+        print(memory_estimate(run_config(args, "tiny"), args, args.device_memory_gib))
+        return
+    model_dir = build_model_dir(args.shape, args.root)
+    prompts = digit_prompts(args.prompts * 4, args.prompt_len)
+    config = run_config(args, str(model_dir))
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
         trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards, prompts=prompts)
         if lengths:
             cluster.run(force_lengths, lengths)
         history = trainer.fit(args.steps, progress=False)
+        # the last step's peak: each memory mark's peak_mb covers its phase (the history's peak columns are
+        # read just after a mark resets the peak, so they hold what stays allocated, not the peak)
+        marks = trainer.memory()
+        peak_gib = float(marks["peak_mb"].max()) / 1024
+        device_gib = cluster.run(device_memory_gib)[0]
         state = cluster.run(engine_state)[0]
         profile = None
         if args.profile:
@@ -180,8 +215,12 @@ def main() -> None:
             trainer.step()
             profile = cluster.run(stop_profiler, 25)[0]
     n_params = _param_count(model_dir)
-    figures = {**summarize(history, n_params, config, args), "n_params": n_params,
+    figures = {**summarize(history, n_params, config, args, peak_gib), "n_params": n_params,
                "engine_state": {k: str(v) for k, v in state.items()}, "config": config.to_dict(), "profile": profile}
+    if math.isfinite(device_gib):
+        estimate = memory_estimate(config, args, device_gib)
+        figures["memory_estimate"] = estimate.to_pandas().round(3).to_dict()
+        figures["estimate_vs_measured"] = estimate.compare_marks(marks).to_dict("records")
     if args.bare_vllm:
         bare = bare_generate(model_dir, prompts[: args.prompts], group=args.group, response_len=args.response_len,
                              lengths=lengths)
@@ -202,6 +241,10 @@ def report(figures: dict, n_params: int, args, profile: str | None) -> None:
     if "bare_vllm" in figures:
         print(f"  bare vLLM generate      {figures['bare_vllm']['generate_s']:>12.4g}   "
               f"(rlkit / bare = {figures['generate_over_bare']:.3f})")
+    if "estimate_vs_measured" in figures:
+        print("  memory estimate (GiB per rank) against the last step's measured peaks:")
+        print(pd.DataFrame(figures["memory_estimate"]).to_string())
+        print(pd.DataFrame(figures["estimate_vs_measured"]).to_string(index=False))
     if profile:
         print("profile of one step, rank 0 (top operators by self device time):")
         print(profile)

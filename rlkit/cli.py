@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+from rlkit import diagnostics
 from rlkit.config import ENGINES, ConfigError, GRPOConfig, config_from_toml
+from rlkit.data import load_run_data
+from rlkit.diagnostics import visible_gpu_memory_gib
+from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.trainer.metrics import PHASES
 
 HEADER = f"{'step':>4} {'reward':>7} {'kl':>8} {'len':>5} {'tok/s':>7} {'mem/rank MiB':>14}  phase seconds"
@@ -23,9 +27,10 @@ def format_step(row: dict) -> str:
         memory = "/".join(f"{row[k]:.0f}" for k in cuda)
     phases = " ".join(f"{p}={row[f'time/{p}']:.2f}" for p in PHASES)
     inner = " ".join(f"{k.split('/')[-1]}={row[k]:.2f}" for k in row if k.startswith("time/worker/"))
+    val = f"  val reward {row['val/reward/mean']:.3f}" if "val/reward/mean" in row else ""
     return (
         f"{row['step']:>4} {row['reward/mean']:>7.3f} {row['kl/mean']:>8.4f} {row['response/length/mean']:>5.1f} "
-        f"{row['perf/tokens_per_s']:>7.0f} {memory:>14}  {phases} (workers: {inner})"
+        f"{row['perf/tokens_per_s']:>7.0f} {memory:>14}  {phases} (workers: {inner}){val}"
     )
 
 
@@ -40,9 +45,18 @@ def train(args: argparse.Namespace) -> int:
         if args.rollout is not None:
             config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=args.rollout))
         config.check_cluster(args.world_size, args.device)
+        tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
+        data = load_run_data(config, tokenizer)  # files, columns, templates, rewards: all checked before launch
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(data.summary(), flush=True)
+    gpu_gib = visible_gpu_memory_gib() if args.device != "cpu" else None
+    if gpu_gib is not None:  # GPUs: will it fit? (the estimate, before anything loads)
+        findings = diagnostics.preflight(config, resolve_model_dir(config.model), world_size=args.world_size,
+                                         device_memory_gib=gpu_gib)  # fmt: skip
+        if findings.items:
+            print(f"warning: {findings}", file=sys.stderr, flush=True)
     print(
         f"rlkit: {config.algorithm.upper()} on model={config.model!r}, {args.world_size} worker(s), "
         f"{config.steps} steps",
@@ -57,7 +71,10 @@ def train(args: argparse.Namespace) -> int:
         )
         print(HEADER, flush=True)
         trainer.fit(progress=False, on_step=lambda row: print(format_step(row), flush=True))
+        trainer.close()
         history = trainer.history
+    trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    history.to_csv(trainer.run_dir / "history.csv", index=False)
     first, last = history["reward/mean"].head(3).mean(), history["reward/mean"].tail(3).mean()
     print(
         f"mean reward: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; total {time.perf_counter() - start:.0f}s"
@@ -65,7 +82,7 @@ def train(args: argparse.Namespace) -> int:
     report = write_report(
         history, args.report, title=f"rlkit {config.algorithm.upper()}: {config.model}", config=config.to_dict()
     )
-    print(f"report: {report.resolve()}")
+    print(f"report: {report.resolve()}; history: {(trainer.run_dir / 'history.csv').resolve()}")
     return 0
 
 

@@ -167,6 +167,11 @@ def accuracy(model, tokenizer, rows: list[dict[str, str]], *, do_sample: bool) -
     return sum(rewards) / len(rewards)
 
 
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""The tiny model's chat template: the messages' contents as they are, so that a chat prompt
+[{"role": "user", "content": "17+25="}] renders as the raw prompt the model was trained on."""
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(2)
@@ -191,6 +196,7 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(args.out)
     print(f"saved to {args.out} after {time.perf_counter() - start:.0f} s")
 

@@ -27,3 +27,17 @@ def test_bad_config_is_reported_before_launch(tmp_path, capsys):
     config.write_text("group_size = 1\nprompts_per_step = 3\n")
     assert main(["train", str(config)]) == 2
     assert "group_size=1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_a_setting_that_will_not_fit_is_warned_before_launch_with_the_fix(tmp_path, capsys, monkeypatch):
+    """On a (pretended) GPU of 0.01 GiB the estimate's peak does not fit: the CLI says so, with the fixes,
+    before any worker starts."""
+    import rlkit.cli
+
+    monkeypatch.setattr(rlkit.cli, "visible_gpu_memory_gib", lambda: 0.01)
+    config = tmp_path / "c.toml"
+    config.write_text('model = "tiny"\nprompts_per_step = 2\ngroup_size = 2\n[rollout]\nmax_new_tokens = 4\n')
+    assert main(["train", str(config), "--steps", "1", "--report", str(tmp_path / "r.html")]) == 0
+    captured = capsys.readouterr()
+    assert "memory-will-not-fit" in captured.err and "fix:" in captured.err

@@ -10,15 +10,11 @@ preference configs :class:`DPOConfig` and :class:`KTOConfig` share the model, op
 checkpoint settings.
 """
 
+from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
 from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
-from rlkit.config.run import (
-    GRPOConfig,
-    PPOConfig,
-    RLConfig,
-    config_from_dict,
-    config_from_toml,
-)
+from rlkit.config.readers import config_from_dict, config_from_toml
+from rlkit.config.run import RLConfig
 from rlkit.config.sections import (
     ATTN_IMPLEMENTATIONS,
     ENGINES,

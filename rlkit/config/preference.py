@@ -7,15 +7,14 @@ same way: every problem at once, in one :class:`ConfigError`, each naming the se
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from rlkit.algos.preference import DPO_LOSSES
 from rlkit.config.checks import ConfigError, need
-from rlkit.config.run import _from_dict
 from rlkit.config.sections import CheckpointConfig, FSDPConfig, OptimConfig
+from rlkit.config.tables import from_table
 
 
 @dataclass(kw_only=True)
@@ -56,7 +55,7 @@ class PreferenceConfig:
         for name, kind in (("optim", OptimConfig), ("fsdp", FSDPConfig), ("checkpoint", CheckpointConfig)):
             value = getattr(self, name)
             if isinstance(value, dict):
-                setattr(self, name, _from_dict(kind, value, name))
+                setattr(self, name, from_table(kind, value, name))
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -103,13 +102,8 @@ class PreferenceConfig:
         algorithm = data.pop("algorithm", cls.algorithm)
         if algorithm != cls.algorithm:
             raise ConfigError([f'algorithm="{algorithm}" given to {cls.__name__}: use the config of that algorithm'])
-        return _from_dict(cls, data, "")
+        return from_table(cls, data, "")
 
-    @classmethod
-    def from_toml(cls, path: str | Path) -> PreferenceConfig:
-        """Read a TOML file whose tables mirror the dataclasses ([optim], [fsdp], [checkpoint])."""
-        with open(path, "rb") as f:
-            return cls.from_dict(tomllib.load(f))
 
 
 @dataclass(kw_only=True)

@@ -1,9 +1,8 @@
-"""The run config (:class:`RLConfig` and its GRPO and PPO forms) and reading it from dicts and TOML."""
+"""The settings every RL algorithm shares (:class:`RLConfig`); GRPO and PPO are in :mod:`rlkit.config.algorithms`."""
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,13 +17,13 @@ from rlkit.config.installed import torch_companion_problems, tracker_install_pro
 from rlkit.config.sections import (
     ATTN_IMPLEMENTATIONS,
     CheckpointConfig,
-    CriticConfig,
     FSDPConfig,
     OptimConfig,
     RewardModelConfig,
     RolloutConfig,
     attention_problems,
 )
+from rlkit.config.tables import convert_tables, from_table
 
 
 @dataclass(kw_only=True)
@@ -150,16 +149,15 @@ class RLConfig:
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that get every metric, the config and sample completions: any of
     "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
+    run_dir: str = "runs"
+    """Folder of the runs' own files: each Trainer writes into ``run_dir/<algorithm>-<date>-<time>/`` (tracker
+    files; with ``rlkit train`` also ``history.csv``); nothing is written there without trackers or the CLI."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rollout, str):
             self.rollout = RolloutConfig(engine=self.rollout)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            kind = _NESTED.get(f.name)
-            if kind is not None and isinstance(value, dict):
-                setattr(self, f.name, _from_dict(kind, value, f.name))
-        self.rewards = [_from_dict(RewardSpec, r, "rewards") if isinstance(r, dict) else r for r in self.rewards]
+        convert_tables(self)
+        self.rewards = [from_table(RewardSpec, r, "rewards") if isinstance(r, dict) else r for r in self.rewards]
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -324,106 +322,5 @@ class RLConfig:
                     "use rlkit.config.config_from_dict (or config_from_toml)"
                 ]
             )
-        return _from_dict(cls, data, "")
+        return from_table(cls, data, "")
 
-    @classmethod
-    def from_toml(cls, path: str | Path) -> RLConfig:
-        """Read a TOML file whose tables mirror the dataclasses ([rollout], [optim], [fsdp])."""
-        with open(path, "rb") as f:
-            return cls.from_dict(tomllib.load(f))
-
-
-@dataclass(kw_only=True)
-class GRPOConfig(RLConfig):
-    """Group Relative Policy Optimisation (Shao et al. 2024, DeepSeekMath) and its critic-free relatives.
-
-    A completion's advantage is its reward against the other completions of
-    its prompt: "grpo" (mean and std), "drgrpo" (mean only), "rloo"
-    (leave-one-out); or "reinforce++" (batch-whitened returns). No critic.
-    """
-
-    algorithm: ClassVar[str] = "grpo"
-
-    def _algorithm_problems(self) -> list[str]:
-        p = super()._algorithm_problems()
-        need(p, self.advantage != "gae", 'advantage="gae" needs a critic: use rlkit.PPOConfig')
-        return p
-
-
-@dataclass(kw_only=True)
-class PPOConfig(RLConfig):
-    """PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022 for LLMs): GAE advantages from a learned value.
-
-    The critic predicts each token's expected return; GAE combines rewards and
-    values into advantages (whitened over the batch) and returns (the critic's
-    targets). One sample per prompt is the usual setting.
-    """
-
-    algorithm: ClassVar[str] = "ppo"
-    prompts_per_step: int = 64
-    """Distinct prompts per step; must divide across ranks."""
-    group_size: int = 1
-    """Completions sampled per prompt (PPO needs no groups)."""
-    advantage: str = "gae"
-    """Advantage estimator: "gae" (the critic is trained for it), or Trainer(advantage_fn=...) which gets the values."""
-    lam: float = 0.95
-    """GAE's lambda, in [0, 1]: 1 gives Monte-Carlo returns minus V, 0 one-step TD."""
-    kl_mode: str = "reward"
-    """Where the KL goes: "reward" (per-token penalty before GAE, InstructGPT-style) or "loss"."""
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    """The value model."""
-
-    def _algorithm_problems(self) -> list[str]:
-        p = super()._algorithm_problems()
-        need(
-            p,
-            self.advantage == "gae",
-            f'advantage="{self.advantage}": PPOConfig trains a critic for "gae"; '
-            "use rlkit.GRPOConfig for critic-free estimators",
-        )
-        return p + self.critic.problems()
-
-
-CONFIGS: dict[str, type[RLConfig]] = {"grpo": GRPOConfig, "ppo": PPOConfig}
-
-
-def config_from_dict(data: dict[str, Any]) -> RLConfig:
-    """A GRPOConfig or PPOConfig from :meth:`RLConfig.to_dict` output (or TOML with ``algorithm = "ppo"``)."""
-    algorithm = data.get("algorithm", "grpo")
-    if algorithm not in CONFIGS:
-        raise ConfigError([f'algorithm="{algorithm}": use one of {list(CONFIGS)}'])
-    return CONFIGS[algorithm].from_dict(data)
-
-
-def config_from_toml(path: str | Path) -> RLConfig:
-    """Read a TOML config; ``algorithm = "ppo"`` at the top level selects PPOConfig (default "grpo")."""
-    with open(path, "rb") as f:
-        return config_from_dict(tomllib.load(f))
-
-
-def _from_dict(kind: type, data: dict[str, Any], where: str):
-    known = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        place = f"[{where}]" if where else "the top level"
-        raise ConfigError([f"unknown setting(s) {unknown} in {place}: valid ones are {sorted(known)}"])
-    data = dict(data)
-    if "betas" in data:
-        data["betas"] = tuple(data["betas"])
-    for name, value in data.items():
-        if name in _NESTED and isinstance(value, dict):
-            data[name] = _from_dict(_NESTED[name], value, f"{where}.{name}" if where else name)
-    return kind(**data)
-
-
-_NESTED: dict[str, type] = {
-    "rollout": RolloutConfig,
-    "optim": OptimConfig,
-    "fsdp": FSDPConfig,
-    "checkpoint": CheckpointConfig,
-    "reward_model": RewardModelConfig,
-    "critic": CriticConfig,
-    "data": DataConfig,
-    "validation": ValidationConfig,
-}
-"""The dataclass of each nested table, by field name (dicts given for them are converted)."""

@@ -12,32 +12,57 @@ and on one process, with the list of per-rank results::
 
 Per-phase memory: a :class:`MemoryTracker` on each rank, ``tracker.mark("rollout")``, then
 :func:`memory_table` over the ranks' marks.
+
+Before launch, from the config alone (no cluster)::
+
+    estimate_memory(config_json, world_size=8, device_memory_gib=139.8, ...)   # per-phase peak, fixes
+    preflight(cfg, world_size=8, device_memory_gib=139.8)                      # Findings: memory-will-not-fit
 """
 
 from rlkit.diagnostics.agreement import checksum
+from rlkit.diagnostics.estimate import Fix, MemoryEstimate, estimate_memory
 from rlkit.diagnostics.grads import GradNorms, GradReport, grad_norms, grad_report
 from rlkit.diagnostics.inspection import RankReport, inspect
 from rlkit.diagnostics.lint import Finding, Findings, lint
-from rlkit.diagnostics.memory import MemoryMark, MemoryTracker, memory_mb, memory_table
+from rlkit.diagnostics.memory import (
+    MemoryMark,
+    MemoryTracker,
+    device_memory_gib,
+    memory_mb,
+    memory_table,
+    visible_gpu_memory_gib,
+)
+from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
+from rlkit.diagnostics.preflight import estimate_for, memory_setting, preflight
 from rlkit.diagnostics.scaling import memory_scaling
 from rlkit.diagnostics.sharding import Sharding, sharding
 
 __all__ = [
     "Finding",
     "Findings",
+    "Fix",
     "GradNorms",
     "GradReport",
+    "MemoryEstimate",
     "MemoryMark",
+    "MemorySetting",
     "MemoryTracker",
+    "ModelShape",
     "RankReport",
     "Sharding",
     "checksum",
+    "estimate_for",
+    "estimate_memory",
     "grad_norms",
     "grad_report",
     "inspect",
     "lint",
+    "device_memory_gib",
     "memory_mb",
+    "visible_gpu_memory_gib",
     "memory_scaling",
+    "memory_setting",
     "memory_table",
+    "preflight",
     "sharding",
 ]

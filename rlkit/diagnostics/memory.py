@@ -24,6 +24,28 @@ def memory_mb(device: torch.device) -> dict[str, float]:
     return out
 
 
+def device_memory_gib() -> float:
+    """On a worker: the total memory of this process's current CUDA device, in GiB."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+
+
+def visible_gpu_memory_gib() -> float | None:
+    """The smallest total memory of the GPUs ``nvidia-smi`` lists (GiB), without touching CUDA in this process;
+    None without nvidia-smi or GPUs (a controller uses it before launch, where it must not initialise CUDA)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [float(v) / 1024 for v in lines if v.replace(".", "", 1).isdigit()]  # MiB
+    return min(values) if values else None
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and shared storages count once).
 

@@ -1,15 +1,19 @@
-"""The lint rules: each takes one rank's report (``PER_RANK``) or all of them (``ACROSS_RANKS``) and yields Raws."""
+"""The lint rules: each takes one rank's report (``PER_RANK``), all of them (``ACROSS_RANKS``) or, before launch,
+a memory estimate (``PREFLIGHT``) and yields Raws."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from rlkit.diagnostics.agreement import outliers
 from rlkit.diagnostics.inspection import RankReport
 from rlkit.diagnostics.layout import unit_label
 from rlkit.diagnostics.scaling import rank_state_bytes, whole_state_bytes
+
+if TYPE_CHECKING:
+    from rlkit.diagnostics.estimate import MemoryEstimate
 
 
 class Raw(NamedTuple):
@@ -270,6 +274,26 @@ def memory_not_sharded(reports: Sequence[RankReport]) -> Iterator[Raw]:
         )
 
 
+def memory_will_not_fit(est: MemoryEstimate) -> Iterator[Raw]:
+    if est.fits:
+        return
+    s, phase = est.setting, est.peak_phase
+    terms = ", ".join(f"{k} {v:.1f}" for k, v in est.phases[phase].items() if v >= 0.05)
+    fixes = [str(f) for f in est.fixes]
+    if not any(f.peak_gib <= s.device_memory_gib for f in est.fixes):
+        fixes.append("no single change fits: combine them")
+    yield Raw(
+        "memory-will-not-fit", "error",
+        f"The estimated per-rank peak, {est.peak_gib:.1f} GiB in the {phase} phase, exceeds the device's "
+        f"{s.device_memory_gib:.1f} GiB: the run would stop with torch.OutOfMemoryError.",
+        f"{est.shape.num_parameters / 1e6:,.1f}M parameters on {s.world_size} rank(s) ({s.sharding} sharding), "
+        f"{s.tokens_per_micro_batch:,} tokens per micro-batch ({s.sequence_tokens} per row); GiB in {phase}: {terms}",
+        "; ".join(fixes),
+        tuple(range(s.world_size)),
+    )
+
+
 PER_RANK = (optimizer_before_wrap, one_giant_unit, no_shard, fp16_without_scaler, mixed_fp16_bf16, flat_params,
             weights_replaced, frozen_trainable_mixed, wrong_device, unwrapped_params)
 ACROSS_RANKS = (ranks_differ, memory_not_sharded)
+PREFLIGHT = (memory_will_not_fit,)

@@ -12,16 +12,21 @@ from rlkit.data.batch import Batch
 from rlkit.workers import CriticRows, PolicyRows, RolloutResult
 
 
-def tokenize_prompts(tokenizer: Any, texts: list[str], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, P] left-padded ids and mask; raises ValueError naming every prompt that is empty or over ``limit`` tokens."""
-    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+def tokenize_prompts(
+    tokenizer: Any, texts: list[str], limit: int, add_special_tokens: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, P] left-padded ids and mask; raises ValueError naming every prompt that is empty or over ``limit`` tokens.
+
+    ``add_special_tokens`` is False for prompts a chat template rendered (they carry their own BOS).
+    """
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
     bad = [f"prompt {i} ({n} tokens): {texts[i][:60]!r}" for i, n in enumerate(lengths) if n > limit or n == 0]
     if bad:
         raise ValueError(
             f"{len(bad)} prompt(s) are empty or longer than rollout.max_prompt_tokens={limit}; "
             "shorten them or raise the limit:\n" + "\n".join(f"  - {b}" for b in bad)
         )
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens)
     return enc["input_ids"], enc["attention_mask"]
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
@@ -26,25 +25,30 @@ import torch
 from rlkit import diagnostics
 from rlkit.algos import AdvantageFn, PolicyLossFn, overlong_penalty
 from rlkit.config import PPOConfig, RLConfig, config_from_dict
+from rlkit.data import load_run_data
 from rlkit.data.batch import Batch
-from rlkit.data.rewards import RewardError, compute_rewards, reward_terms
+from rlkit.data.files import PromptInput
+from rlkit.data.rewards import RewardError, RewardFn, WeightedReward, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank, RoleGroup
 from rlkit.trainer import checkpoints
 from rlkit.trainer.advantages import estimate_advantages
 from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tokenize_prompts
-from rlkit.trainer.inputs import Rewards, task_defaults
+from rlkit.trainer.base import PolicyTrainerBase
+from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
 from rlkit.workers import CriticWorker, PolicyWorker
-from rlkit.workers.phases import PhaseReport
 
 logger = logging.getLogger(__name__)
 
+Rewards = RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]]
+"""One reward callable, a list of them (weight 1 each), or {name: fn or (fn, weight)}."""
 
 
-class Trainer:
+
+class Trainer(PolicyTrainerBase):
     """GRPO or PPO (by the config's class) on a launched cluster, steppable phase by phase.
 
     ``rollout -> score -> advantages -> update`` is one step; :meth:`step` runs
@@ -67,23 +71,24 @@ class Trainer:
         config: RLConfig,
         *,
         reward_fn: Rewards | None = None,
-        prompts: Sequence[str | dict[str, Any]] | None = None,
+        prompts: PromptInput | None = None,
+        val_prompts: PromptInput | None = None,
         advantage_fn: AdvantageFn | None = None,
         policy_loss_fn: PolicyLossFn | None = None,
     ):
         config.check_cluster(cluster.world_size, cluster.device)
-        self.cluster = cluster
-        self.config = config
+        self._start_run(cluster, config)
+        self.config: RLConfig = config
         self.model_dir = resolve_model_dir(config.model)
-        self.reward_fn, self._prompts = task_defaults(config, reward_fn, prompts)
-        self._advantage_fn = advantage_fn
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
-        self.steps_done = 0
+        run = load_run_data(config, self.tokenizer, prompts=prompts, val_prompts=val_prompts, reward_fn=reward_fn)
+        logger.info("%s", run.summary())
+        self._prompts, self._val, self._rewards = run.train, run.val, run.rewards
+        self._advantage_fn = advantage_fn
         self.last_batch: Batch | None = None
-        self._rows: list[dict[str, float]] = []
-        self._phase_times: dict[str, float] = {}
-        self._worker_times: dict[str, float] = {}
-        self._memory: list[dict[str, float]] = []
+        findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
+        if findings.items:
+            logger.warning("%s", findings)
         self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn)
         self._critic: RoleGroup[CriticWorker] | None = None
         if isinstance(config, PPOConfig):
@@ -92,23 +97,22 @@ class Trainer:
         self._reward_model = ModelReward(cluster, config) if config.reward_model.path else None
 
     @property
-    def reward_fn(self) -> Rewards | None:
-        """The reward function(s) :meth:`score` applies besides a configured reward model; assign to replace them."""
-        return self._reward_fn
+    def rewards(self) -> list[WeightedReward]:
+        """The reward terms :meth:`score` applies besides a reward model (``reward_fn`` and ``[[rewards]]``)."""
+        return list(self._rewards)
+
+    @property
+    def reward_fn(self) -> list[WeightedReward]:
+        """The same as :attr:`rewards`; assign a function, a list or ``{name: (fn, weight)}`` to replace them all."""
+        return self.rewards
 
     @reward_fn.setter
-    def reward_fn(self, spec: Rewards | None) -> None:
-        self._rewards = reward_terms(spec) if spec is not None else []
-        self._reward_fn = spec
+    def reward_fn(self, spec: Rewards) -> None:
+        self._rewards = reward_terms(spec)
 
     @property
     def has_critic(self) -> bool:
         return self._critic is not None
-
-    @property
-    def history(self) -> pd.DataFrame:
-        """One row of metrics per completed step."""
-        return pd.DataFrame(self._rows)
 
     # -- phases ---------------------------------------------------------------------------------
 
@@ -128,7 +132,10 @@ class Trainer:
         items = self._prompts.next(cfg.prompts_per_step)
         try:
             prompt_ids, prompt_mask = tokenize_prompts(
-                self.tokenizer, [item["prompt"] for item in items], cfg.rollout.max_prompt_tokens
+                self.tokenizer,
+                [item["prompt"] for item in items],
+                cfg.rollout.max_prompt_tokens,
+                self._prompts.add_special_tokens,
             )
         except ValueError:
             self._prompts.load_state_dict(position)
@@ -250,8 +257,26 @@ class Trainer:
             memory=self._memory,
             step_seconds=time.perf_counter() - start,
         )
-        self._rows.append(row)
+        self._append_row(row, batch.to_pandas)
         return row
+
+    def evaluate(self) -> dict[str, float]:
+        """Score the validation prompts now (``validation.n`` samples each at ``validation.temperature``; no
+        model changes): ``val/reward/mean``, each term's mean, and pass@k for 0/1 rewards. After a step the
+        figures also go into that step's row of :attr:`history` and to the trackers."""
+        if self._val is None:
+            raise ValueError("no validation prompts: set data.val_files or pass Trainer(val_prompts=...)")
+        start = time.perf_counter()
+        seed = self.config.seed * 1_000_003 + 999_983 * (self.steps_done + 1)
+        metrics = evaluate_prompts(
+            self._policy, self.tokenizer, self._val, self._rewards, self._reward_model, self.config, seed
+        )
+        metrics["time/evaluate"] = time.perf_counter() - start
+        self._add_to_last_row(metrics)
+        return metrics
+
+    def _validation_every(self) -> int:
+        return self.config.validation.every if self._val is not None else 0
 
     def _scored(self, batch: Batch) -> Batch:
         """``batch`` scored, kept in :attr:`last_batch` so that a reward function that fails loses nothing."""
@@ -267,32 +292,25 @@ class Trainer:
     def _scored_refill(self, refill: int) -> Batch:
         return self._scored(self._rollout(refill))
 
-    def fit(
-        self, steps: int | None = None, *, progress: bool = True, on_step: Callable[[dict], None] | None = None
-    ) -> pd.DataFrame:
-        """Run ``steps`` steps (default ``config.steps``) with a progress bar; returns :attr:`history`.
-
-        ``on_step(row)`` is called after each step (the CLI prints from it).
-        """
-        from tqdm.auto import tqdm
-
-        steps = self.config.steps if steps is None else steps
-        if steps < 1:
-            raise ValueError(f"steps={steps}: must be >= 1")
-        bar = tqdm(range(steps), desc="rlkit", disable=not progress)
-        every, folder = self.config.checkpoint.every, self.config.checkpoint.dir
-        for _ in bar:
-            row = self.step()
-            bar.set_postfix(reward=f"{row['reward/mean']:.3f}")
-            if every and self.steps_done % every == 0:
-                self.save(folder)
-            if on_step is not None:
-                on_step(row)
-        return self.history
-
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
+
+    # -- diagnostics ------------------------------------------------------------------------------
+
+    def lint(self) -> diagnostics.Findings:
+        """FSDP lint over every rank's actor, optimizer, reference and rollout engine, and the memory estimate's
+        verdict on these devices (GPU clusters: "memory-will-not-fit" with the fixes)."""
+        return diagnostics.Findings(super().lint().items + self._memory_findings().items)
+
+    def _memory_findings(self) -> diagnostics.Findings:
+        """The preflight memory estimate's findings for this config on this cluster's GPUs (none on CPU)."""
+        if self.cluster.device != "cuda":
+            return diagnostics.Findings([])
+        gib = min(self.cluster.run(diagnostics.device_memory_gib))
+        return diagnostics.preflight(
+            self.config, self.model_dir, world_size=self.cluster.world_size, device_memory_gib=gib
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -320,15 +338,16 @@ class Trainer:
         path: str | os.PathLike,
         *,
         reward_fn: Rewards | None = None,
-        prompts: Sequence[str | dict[str, Any]] | None = None,
+        prompts: PromptInput | None = None,
+        val_prompts: PromptInput | None = None,
         advantage_fn: AdvantageFn | None = None,
         policy_loss_fn: PolicyLossFn | None = None,
     ) -> Trainer:
         """A trainer continuing from a checkpoint (``path`` itself or the latest complete one under it).
 
         Weights (actor and critic), optimizers, schedules, RNG, step count, prompt position and history
-        are restored; functions are not stored, so pass reward_fn, prompts, advantage_fn and
-        policy_loss_fn again unless the run used the defaults.
+        are restored; functions and Python data are not stored, so pass reward_fn, prompts, val_prompts,
+        advantage_fn and policy_loss_fn again unless the run used the config's (files, [[rewards]]) or defaults.
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
@@ -337,6 +356,7 @@ class Trainer:
             config_from_dict(meta["config"]),
             reward_fn=reward_fn,
             prompts=prompts,
+            val_prompts=val_prompts,
             advantage_fn=advantage_fn,
             policy_loss_fn=policy_loss_fn,
         )
@@ -348,33 +368,3 @@ class Trainer:
         trainer._prompts.load_state_dict(meta["prompts"])
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer
-
-    # -- diagnostics (each rank's plain data, combined by rlkit.diagnostics) ----------------------
-
-    def sharding(self) -> diagnostics.Sharding:
-        """How the actor is sharded (units, parameters, totals per rank; reference and engine holdings)."""
-        return diagnostics.sharding(self._policy.call(PolicyWorker.inspect))
-
-    def memory(self) -> pd.DataFrame:
-        """Each rank's memory at the phase boundaries of the last step, broken down by what holds it."""
-        return diagnostics.memory_table(self._policy.call(PolicyWorker.memory_marks))
-
-    def grad_norms(self) -> diagnostics.GradNorms:
-        """The last optimizer step's per-rank, per-unit gradient norms, the true global norm, disagreements."""
-        reports = self._policy.call(PolicyWorker.grad_report)
-        if any(r is None for r in reports):
-            raise RuntimeError("no update has run yet: call trainer.update(batch) or trainer.step() first")
-        return diagnostics.grad_norms([r for r in reports if r is not None])
-
-    def lint(self) -> diagnostics.Findings:
-        """FSDP lint over every rank's actor, optimizer, reference and rollout engine."""
-        return diagnostics.lint(self._policy.call(PolicyWorker.inspect))
-
-    # -- internals ------------------------------------------------------------------------------
-
-    def _record(self, phase: str, start: float, results: Sequence[PhaseReport]) -> None:
-        """Keep the phase's wall time, the slowest rank's inner times, and each rank's memory."""
-        self._phase_times[phase] = time.perf_counter() - start
-        for name in results[0].times:
-            self._worker_times[name] = max(r.times[name] for r in results)
-        self._memory = [r.memory_mb for r in results]

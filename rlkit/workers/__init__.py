@@ -6,7 +6,7 @@ its methods by name; every module here runs on the workers, never in the kernel.
 
 from rlkit.workers.batches import CriticRows, PolicyRows
 from rlkit.workers.critic import CriticWorker
-from rlkit.workers.messages import RolloutResult, UpdateResult, ValuesResult
+from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult, ValuesResult
 from rlkit.workers.policy import PolicyWorker
 from rlkit.workers.reward_model import RewardModelWorker
 
@@ -17,6 +17,7 @@ __all__ = [
     "PolicyWorker",
     "RewardModelWorker",
     "RolloutResult",
+    "SampleResult",
     "UpdateResult",
     "ValuesResult",
 ]

@@ -34,6 +34,18 @@ class RolloutResult(PhaseReport):
 
 
 @dataclass(kw_only=True)
+class SampleResult(PhaseReport):
+    """One rank's completions of its N prompts x n samples (validation: no log-probs, no training)."""
+
+    response_ids: torch.Tensor
+    """[N*n, T] int64, padded after the end with the pad id."""
+    response_mask: torch.Tensor
+    """[N*n, T] float32, 1 on generated tokens."""
+    finish_reason: list[str]
+    """N*n values, "stop" or "length"."""
+
+
+@dataclass(kw_only=True)
 class UpdateResult(PhaseReport):
     """One role's update on one rank."""
 

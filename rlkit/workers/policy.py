@@ -13,52 +13,39 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from rlkit import diagnostics
 from rlkit.algos import Mean, PolicyLossFn, PolicyObjective, loss_weights, policy_objective
 from rlkit.config import RLConfig
-from rlkit.fsdp import apply_fsdp, build_mesh, clip_grad_norm, iter_full_params, param_dtype
-from rlkit.fsdp.checkpoint import export_hf
-from rlkit.models import load_causal_lm, load_tokenizer
+from rlkit.fsdp import clip_grad_norm, iter_full_params, param_dtype
+from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
 from rlkit.rollout import SamplingParams, build_engine
-from rlkit.runtime import Role, context
+from rlkit.workers.actor import ActorRole
 from rlkit.workers.batches import PolicyRows, global_counts, micro_batches, mini_batches
-from rlkit.workers.messages import RolloutResult, UpdateResult
+from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
-from rlkit.workers.phases import PhaseClock
-from rlkit.workers.training import TrainedModel
 
 logger = logging.getLogger(__name__)
 
 
-class PolicyWorker(Role):
+class PolicyWorker(ActorRole):
     """One rank's share of the policy: sharded actor + optimizer, sharded reference, whole rollout engine."""
 
     def __init__(self, config: RLConfig, model_dir: str | Path, policy_loss_fn: PolicyLossFn | None = None):
-        ctx = context()
-        self.config = config
-        self.model_dir = Path(model_dir)
-        self.device, self.rank, self.world_size = ctx.device, ctx.rank, ctx.world_size
-        torch.manual_seed(config.seed)
-        mesh = build_mesh(self.device.type, ctx.world_size, config.fsdp)
-        tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
-        load = dict(
-            dtype=torch.float32,
-            device=self.device,
+        super().__init__(
+            model_dir,
+            seed=config.seed,
+            fsdp=config.fsdp,
+            optim=config.optim,
+            optimizer_steps=config.steps * config.ppo_epochs * config.mini_batches,
+            reference=config.kl_coef > 0,
             trust_remote_code=config.trust_remote_code,
             attn_implementation=config.attn_implementation,
         )
-        optimizer_steps = config.steps * config.ppo_epochs * config.mini_batches
-        self.actor = TrainedModel.build(
-            load_causal_lm(self.model_dir, **load), mesh, config.fsdp, config.optim, optimizer_steps
-        )
-        self.reference = None
-        if config.kl_coef > 0:
-            reference = load_causal_lm(self.model_dir, **load).requires_grad_(False)
-            self.reference = apply_fsdp(reference, mesh, config.fsdp)
+        self.config = config
+        tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         self.engine = build_engine(
             config.rollout,
             self.model_dir,
@@ -66,10 +53,12 @@ class PolicyWorker(Role):
             dtype=param_dtype(config.fsdp, self.device.type),
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            max_num_seqs=config.samples_per_step // ctx.world_size,
+            max_num_seqs=config.samples_per_step // self.world_size,
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
         )
+        engine_model = getattr(self.engine, "model", None)
+        self.memory = self._memory_tracker(engine_model if isinstance(engine_model, torch.nn.Module) else None)
         self.objective = PolicyObjective(
             policy_loss=config.policy_loss,
             clip_eps=config.clip_eps,
@@ -82,17 +71,6 @@ class PolicyWorker(Role):
             entropy_coef=config.entropy_coef,
             policy_loss_fn=policy_loss_fn,
         )
-        self.clock = PhaseClock(self.device)
-        models = [m for m in (self.actor.model, self.reference) if m is not None]
-        engine_model = getattr(self.engine, "model", None)
-        self.memory = diagnostics.MemoryTracker(
-            self.device, models=models, optimizers=[self.actor.optimizer], engine=engine_model
-        )
-        self.grads: diagnostics.GradReport | None = None
-        """The last optimizer step's gradient report (per-unit local norms before clipping, global norm, loss)."""
-
-    def setup_report(self) -> dict[str, object]:
-        return {"device": str(self.device), "memory_mb": diagnostics.memory_mb(self.device)}
 
     # -- the phases of a step ------------------------------------------------------------------
 
@@ -138,6 +116,25 @@ class PolicyWorker(Role):
             rollout_logprob_rows=gen.logprob_rows.cpu(),
             old_logprobs=None if old_logprobs is None else old_logprobs.cpu(),
             ref_logprobs=None if ref_logprobs is None else ref_logprobs.cpu(),
+            finish_reason=gen.finish_reason,
+            times=dict(self.clock.times),
+            memory_mb=diagnostics.memory_mb(self.device),
+        )
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> SampleResult:
+        """Completions of this rank's prompts ([N, P], left-padded; N may be 0) under ``params``, nothing else:
+        the validation pass. The engine sleeps again afterwards when it sleeps during updates."""
+        self.clock.start()
+        width = params.max_new_tokens
+        if len(prompt_ids) == 0:
+            empty = torch.zeros(0, width)
+            return SampleResult(response_ids=empty.long(), response_mask=empty, finish_reason=[])
+        with self.clock.timed("generate"):
+            gen = self.engine.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+        self.engine.sleep()
+        return SampleResult(
+            response_ids=gen.response_ids.cpu(),
+            response_mask=gen.response_mask.cpu(),
             finish_reason=gen.finish_reason,
             times=dict(self.clock.times),
             memory_mb=diagnostics.memory_mb(self.device),
@@ -242,40 +239,19 @@ class PolicyWorker(Role):
         ]
         return torch.cat(parts)
 
-    # -- diagnostics (combined on the controller by rlkit.diagnostics) ---------------------------
+    # -- diagnostics and checkpoints (the rest is ActorRole's) -----------------------------------
 
-    def inspect(self) -> diagnostics.RankReport:
-        """The actor with its optimizer; the reference and the rollout engine's own model as the others."""
-        others: dict[str, torch.nn.Module] = {} if self.reference is None else {"reference": self.reference}
+    def others(self) -> dict[str, torch.nn.Module]:
+        """The reference and the rollout engine's own model (the hf engine's), for ``inspect``."""
+        others = super().others()
         engine = getattr(self.engine, "model", None)
         if isinstance(engine, torch.nn.Module):
             others["engine"] = engine
-        return diagnostics.inspect(self.actor.model, self.actor.optimizer, others=others)
-
-    def memory_marks(self) -> list[diagnostics.MemoryMark]:
-        return self.memory.marks
-
-    def grad_report(self) -> diagnostics.GradReport | None:
-        return self.grads
-
-    # -- checkpoints and lifetime --------------------------------------------------------------
-
-    def save(self, directory: str, export_hf_weights: bool) -> None:
-        """This rank's shards of actor and optimizer, its schedule and RNG; with ``export_hf_weights`` an HF export."""
-        path = Path(directory)
-        self.actor.save(path, "actor", self.rank)
-        torch.save({"rng": torch.get_rng_state()}, path / f"rng_rank{self.rank}.pt")
-        if export_hf_weights:
-            if self.rank == 0:
-                (path / "hf").mkdir()
-            dist.barrier()
-            export_hf(self.actor.model, path / "hf", self.model_dir)
+        return others
 
     def load(self, directory: str) -> None:
-        """Restore what :meth:`save` wrote, then sync the engine to the restored weights."""
-        path = Path(directory)
-        self.actor.load(path, "actor", self.rank)
-        torch.set_rng_state(torch.load(path / f"rng_rank{self.rank}.pt", weights_only=True)["rng"])
+        """Restore what ``save`` wrote, then sync the engine to the restored weights."""
+        super().load(directory)
         self.sync_engine()
 
     def close(self) -> None:

@@ -1,0 +1,367 @@
+"""The terms of the memory estimate: what each part of an rlkit step keeps on one rank's device, in bytes.
+
+Every formula follows what the code keeps (rlkit.fsdp, rlkit.models.logprobs, rlkit.rollout, transformers'
+Qwen2/Llama decoder layer with SDPA); :mod:`rlkit.diagnostics.estimate` turns them into phases and fixes.
+Margins that cannot be derived are named constants here, to be calibrated against measured peaks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+from rlkit.models.logprobs import CHUNK_ELEMENTS
+
+GiB = 2**30
+
+CUDA_CONTEXT_GIB = 1.0
+"""Device memory of the trainer's process outside PyTorch's allocator: CUDA context, cuBLAS workspaces, NCCL."""
+FRAGMENTATION = 0.05
+"""Caching-allocator slack (reserved blocks too small or split for the next request), as a fraction of allocated."""
+VLLM_ASLEEP_GIB = 1.5
+"""A sleeping vLLM engine (sleep level 1: weights in host memory, KV cache dropped): its CUDA context and graphs."""
+VLLM_WORKSPACE_GIB = 2.0
+"""vLLM beside its weights when ``kv_cache_gb`` fixes the KV cache: activations, sampler, CUDA graphs, context."""
+FORWARD_CHUNKS = 3
+"""fp32 [chunk, V] tensors alive at once in sampled_logprobs' forward: the scaled chunk, its probabilities and
+their product (for the entropy)."""
+BACKWARD_CHUNKS = 1
+"""fp32 [chunk, V] tensors alive at once in its backward (one, updated in place)."""
+FP32_PATH_BYTES = 24
+"""Bytes per logit at the loss on the entropy-bonus path (entropy_coef > 0: plain autograd over fp32 logits): the
+scaled copy, two log-softmax outputs, exp and product (about five fp32 copies), and gradients of as many in backward."""
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+SHARDINGS = ("full", "hybrid", "no_shard")
+SLEEPS = ("always", "auto", "never")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes of a Qwen2/Llama-style decoder that the estimate needs (from its config.json)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    """Qwen2 has biases on q, k and v; Llama only where ``attention_bias`` says so."""
+
+    @classmethod
+    def from_config(cls, config: Mapping | Any) -> ModelShape:
+        """From a config.json dict or a transformers PretrainedConfig (Qwen2, Llama, Mistral and the like).
+
+        Without ``tie_word_embeddings`` the embeddings count as untied (the larger, safer estimate)."""
+        def get(key: str, default: Any = None) -> Any:
+            return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+
+        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [k for k in needed if get(k) is None]
+        if missing:
+            raise ValueError(f"model config lacks {missing}: the estimate needs a decoder's {list(needed)}")
+        heads = int(get("num_attention_heads"))
+        bias = get("attention_bias")
+        return cls(
+            hidden_size=int(get("hidden_size")),
+            num_layers=int(get("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(get("head_dim") or get("hidden_size") // heads),
+            intermediate_size=int(get("intermediate_size")),
+            vocab_size=int(get("vocab_size")),
+            tied_embeddings=bool(get("tie_word_embeddings", False)),
+            qkv_bias=bool(bias) if bias is not None else get("model_type") == "qwen2",
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """q, k, v, o projections (+ q/k/v biases), gate/up/down projections and two RMSNorm weights."""
+        h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * q + 2 * h * kv + q * h + bias + 3 * h * i + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """The FSDP root unit: embeddings, the final norm and an untied LM head."""
+        embed = self.vocab_size * self.hidden_size
+        return embed * (1 if self.tied_embeddings else 2) + self.hidden_size
+
+    @property
+    def num_parameters(self) -> int:
+        return self.num_layers * self.layer_params + self.root_params
+
+    @property
+    def value_model_params(self) -> int:
+        """The critic: the backbone without the LM head plus a linear value head (h weights + 1 bias)."""
+        h = self.hidden_size
+        return self.num_layers * self.layer_params + self.vocab_size * h + h + (h + 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySetting:
+    """The knobs the estimate reads (rlkit's config names in brackets); build one from a config with
+    :func:`rlkit.diagnostics.preflight.memory_setting`."""
+
+    device_memory_gib: float
+    """Each device's memory (torch.cuda.get_device_properties(i).total_memory / 2**30; H200: 139.8, H100: 79.6)."""
+    world_size: int = 1
+    sharding: str = "full"
+    """[fsdp.sharding] "full", "hybrid" (shards within groups of hybrid_shard_size) or "no_shard"."""
+    hybrid_shard_size: int = 0
+    compute_dtype: str = "bf16"
+    """[fsdp.param_dtype] "bf16" (GPU) or "fp32"; parameters, gradients and AdamW state stay fp32 either way."""
+    reduce_dtype: str = "fp32"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    prompt_tokens: int = 64
+    """[rollout.max_prompt_tokens] Every row is taken at the longest prompt and response (the worst case)."""
+    response_tokens: int = 16
+    """[rollout.max_new_tokens]"""
+    samples_per_step: int = 128
+    """[prompts_per_step * group_size] over all ranks."""
+    mini_batches: int = 1
+    micro_batch_size: int = 64
+    """Rows per forward/backward (capped by a rank's rows per mini-batch)."""
+    max_tokens_per_micro_batch: int = 0
+    """Real tokens per micro-batch; 0 counts rows (micro_batch_size). It bounds memory only when packed: a
+    padded micro-batch is as wide as the batch, and short rows let more of them in."""
+    padding_free: bool = False
+    """Packed rows: no padding mask, the LM head on response tokens only."""
+    padding_mask: bool = True
+    """Padded rows of different lengths: transformers builds a [b, 1, S, S] mask and SDPA gets k and v expanded to
+    every head. False for padded batches of equal lengths (the fixed-length benchmarks) and for packed ones."""
+    reference: bool = False
+    """[kl_coef > 0] a frozen fp32 sharded copy of the actor."""
+    critic: bool = False
+    """[PPOConfig] a value model with its own gradients and AdamW state."""
+    recompute_logprobs: bool = True
+    entropy_bonus: bool = False
+    """[entropy_coef > 0] the loss takes the fp32 log-softmax path."""
+    engine: str = "hf"
+    """[rollout.engine] "hf" (a whole compute-dtype copy in the trainer's process) or "vllm" (its own process)."""
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: float = 0.0
+    engine_sleep: str = "auto"
+    """[rollout.sleep] "always"/"auto": vLLM sleeps through scoring and the update ("auto" stays awake only when
+    it fits beside the update); "never": it stays awake."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.device_memory_gib > 0, f"device_memory_gib={self.device_memory_gib}: must be > 0"),
+            (self.world_size >= 1, f"world_size={self.world_size}: must be >= 1"),
+            (self.sharding in SHARDINGS, f"sharding={self.sharding!r}: use one of {SHARDINGS}"),
+            ({self.compute_dtype, self.reduce_dtype} <= set(DTYPE_BYTES),
+             f"compute_dtype={self.compute_dtype!r}, reduce_dtype={self.reduce_dtype!r}: each 'bf16' or 'fp32'"),
+            (self.engine in ("hf", "vllm"), f'engine={self.engine!r}: use "hf" or "vllm"'),
+            (self.engine_sleep in SLEEPS, f"engine_sleep={self.engine_sleep!r}: use one of {SLEEPS}"),
+            (min(self.prompt_tokens, self.response_tokens, self.samples_per_step, self.mini_batches,
+                 self.micro_batch_size) >= 1, "prompt_tokens, response_tokens, samples_per_step, mini_batches and "
+             "micro_batch_size must each be >= 1"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("MemorySetting: " + "; ".join(problems))
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is split over."""
+        return {"full": self.world_size, "hybrid": self.hybrid_shard_size or self.world_size, "no_shard": 1}[
+            self.sharding]
+
+    @property
+    def sequence_tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens of one forward/backward, never more than the rank's rows of one mini-batch: rows x (prompt +
+        response); with a token budget, the budget (packed) or the whole rows it holds at maximum lengths
+        (padded: the budget counts real tokens, so rows shorter than the maximum pack more padded rows in)."""
+        rows = max(1, self.samples_per_step // self.world_size // self.mini_batches)
+        seq, budget = self.sequence_tokens, self.max_tokens_per_micro_batch
+        if budget > 0 and self.padding_free:
+            return min(max(budget, seq), rows * seq)
+        per_micro = max(1, budget // seq) if budget > 0 else self.micro_batch_size
+        return min(per_micro, rows) * seq
+
+    @property
+    def sequences_per_micro_batch(self) -> float:
+        return self.tokens_per_micro_batch / self.sequence_tokens
+
+
+class LogitsLayout(NamedTuple):
+    """Which [*, V] tensors one micro-batch's LM head and log-softmax make (adjust here when the packed path lands)."""
+
+    rows: int
+    """Log-probs taken: response tokens."""
+    head_rows: int
+    """Rows the LM head outputs."""
+    copies: int
+    """Further compute-dtype [rows, V] copies beside the head's output."""
+
+
+def logits_layout(s: MemorySetting) -> LogitsLayout:
+    """Padded: the head runs on T + 1 positions per row (``logits_to_keep``) and sampled_logprobs' reshape copies
+    the non-contiguous [:, :-1] slice. Packed: the head runs on the response tokens only, no copy."""
+    seqs = s.sequences_per_micro_batch
+    rows = math.ceil(seqs * s.response_tokens)
+    if s.padding_free:
+        return LogitsLayout(rows, rows, 0)
+    return LogitsLayout(rows, rows + math.ceil(seqs), 1)
+
+
+def logits_bytes(layout: LogitsLayout, vocab: int, e: int, *, grad: bool, fp32_path: bool = False) -> int:
+    """Peak bytes of one micro-batch's logits and log-softmax (rlkit.models.logprobs.sampled_logprobs).
+
+    Forward at the loss: the head's output, the copies and FORWARD_CHUNKS fp32 chunks of
+    min(rows, CHUNK_ELEMENTS // V) rows. Backward: the saved logits, their gradient and BACKWARD_CHUNKS chunks;
+    then, padded, the slice's backward writes the gradient into a zero [head_rows, V] tensor while the [rows, V]
+    gradient is alive. ``fp32_path`` (entropy bonus): FP32_PATH_BYTES per logit beside the head's output.
+    """
+    rows, head = layout.rows * vocab, layout.head_rows * vocab
+    if fp32_path:
+        return head * e + rows * FP32_PATH_BYTES
+    chunk = min(layout.rows, max(1, CHUNK_ELEMENTS // vocab)) * vocab * 4
+    forward = (head + layout.copies * rows) * e + FORWARD_CHUNKS * chunk
+    if not grad:
+        return forward
+    saved = rows if layout.copies else head
+    backward = (saved + rows) * e + BACKWARD_CHUNKS * chunk
+    unslice = (rows + head) * e if layout.copies else 0
+    return max(forward, backward, unslice)
+
+
+def layer_activation_bytes(shape: ModelShape, e: int, *, expanded_kv: bool) -> int:
+    """Bytes one decoder layer saves for backward per token (Qwen2/Llama layer, SDPA, e-byte compute dtype).
+
+    What autograd keeps (checked against saved-tensor hooks in tests/test_estimate.py):
+      - two RMSNorms, each: its input upcast to fp32 (4h, kept by pow and mul), the normalised value cast back
+        (e*h, kept by the weight's mul), its product with the weight (e*h: the next projections' input) and 1/rms (4);
+      - attention: the rotated q (e*q) and k (e*kv), v (e*kv), SDPA's output (e*q; the same storage is o_proj's
+        input) and its log-sum-exp (4 per head). With a padding mask transformers expands k and v to every head
+        (repeat_kv), so they cost e*q each;
+      - MLP: gate's output (kept by SiLU), SiLU's and up's outputs (kept by their product) and the product
+        (down's input): 4*e*i.
+    Total 2*(4h + 2e*h + 4) + e*(2q + 2kv) + 4H + 4e*i; residual adds and RoPE's products with cos/sin keep none.
+    """
+    h, q, i = shape.hidden_size, shape.q_dim, shape.intermediate_size
+    kv = q if expanded_kv else shape.kv_dim
+    return 2 * (4 * h + 2 * e * h + 4) + e * (2 * q + 2 * kv) + 4 * shape.num_heads + 4 * e * i
+
+
+def head_activation_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
+    """What the rest of the model saves for one micro-batch: per token the final norm (4h + e*h + 4), the ids (8),
+    cos/sin (2*d*e) and, with a padding mask, the [b, 1, S, S] mask as bool and in the compute dtype ((1 + e)*S);
+    per LM-head row its input (e*h)."""
+    h, tokens = shape.hidden_size, s.tokens_per_micro_batch
+    per_token = 4 * h + e * h + 4 + 8 + 2 * shape.head_dim * e
+    if s.padding_mask and not s.padding_free:
+        per_token += (1 + e) * s.sequence_tokens
+    return tokens * per_token + logits_layout(s).head_rows * e * h
+
+
+def activation_bytes(shape: ModelShape, s: MemorySetting, e: int, *, phase: str) -> int:
+    """Saved activations of one micro-batch at ``phase``: "update" (at the loss: every layer's, or with activation
+    checkpointing each layer's input (e*h per token), plus the head's), "backward" (all layers' without
+    checkpointing; with it the inputs plus one layer's recompute and its MLP gradients, 3*e*i per token) or
+    "scoring" (no grad: one layer's intermediates, bounded by what it would save)."""
+    tokens = s.tokens_per_micro_batch
+    layer = layer_activation_bytes(shape, e, expanded_kv=s.padding_mask and not s.padding_free)
+    if phase == "scoring":
+        return tokens * layer
+    if not s.activation_checkpointing:
+        saved = shape.num_layers * layer * tokens
+        return saved + (head_activation_bytes(shape, s, e) if phase == "update" else 0)
+    inputs = shape.num_layers * e * shape.hidden_size * tokens
+    if phase == "update":
+        return inputs + head_activation_bytes(shape, s, e)
+    return inputs + tokens * (layer + 3 * e * shape.intermediate_size)
+
+
+def gathered_bytes(shape: ModelShape, s: MemorySetting, e: int, *, backward: bool) -> int:
+    """FSDP units unsharded in the compute dtype: the root (kept through forward and backward) and two layers
+    (the current and the prefetched one; every layer without reshard_after_forward). In backward also the root's
+    unsharded gradient (the LM head's, from the first backward op to the end) and one layer's gradients in the
+    compute dtype and in the reduce dtype for the reduce-scatter."""
+    layers = 2 if s.reshard_after_forward else max(2, shape.num_layers)
+    total = (shape.root_params + layers * shape.layer_params) * e
+    if backward:
+        total += shape.root_params * e + shape.layer_params * (e + DTYPE_BYTES[s.reduce_dtype])
+    return total
+
+
+def state_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
+    """Sharded fp32 parameters (actor, reference, critic), fp32 gradients and AdamW's two fp32 moments (actor and
+    critic) on the device; nothing with cpu_offload (they live in host memory: :func:`host_bytes`)."""
+    if s.cpu_offload:
+        return {"parameters": 0, "gradients": 0, "optimizer": 0}
+    n, actor = s.shard_size, shape.num_parameters
+    critic = shape.value_model_params if s.critic else 0
+    params = actor * (2 if s.reference else 1) + critic
+    trained = actor + critic
+    return {"parameters": 4 * params // n, "gradients": 4 * trained // n, "optimizer": 8 * trained // n}
+
+
+def host_bytes(shape: ModelShape, s: MemorySetting) -> int:
+    """Host memory per rank that cpu_offload moves there (what :func:`state_bytes` would hold on the device)."""
+    if not s.cpu_offload:
+        return 0
+    return sum(state_bytes(shape, replace(s, cpu_offload=False)).values())
+
+
+def engine_bytes(shape: ModelShape, s: MemorySetting, *, awake: bool) -> int:
+    """The rollout engine on the device: "hf" a whole copy in the compute dtype (always resident); "vllm" awake
+    gpu_memory_utilization of the device (its weights, KV cache, activations and graphs; with kv_cache_gb, the
+    weights + kv_cache_gb + VLLM_WORKSPACE_GIB), asleep VLLM_ASLEEP_GIB."""
+    weights = shape.num_parameters * DTYPE_BYTES[s.compute_dtype]
+    if s.engine == "hf":
+        return weights
+    if not awake:
+        return int(VLLM_ASLEEP_GIB * GiB)
+    if s.kv_cache_gib > 0:
+        return weights + int((s.kv_cache_gib + VLLM_WORKSPACE_GIB) * GiB)
+    return int(s.gpu_memory_utilization * s.device_memory_gib * GiB)
+
+
+def generate_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
+    """HF generate beyond its weights, for all the rank's rows at once: the KV cache (rows x (P + T) x layers x
+    2 x kv x e) and the prefill's intermediates (one layer's, bounded by what it would save) as "activations";
+    one step's fp32 scores and log-softmax [rows, V] as "logits". vLLM's are inside its own budget."""
+    if s.engine != "hf":
+        return {}
+    e = DTYPE_BYTES[s.compute_dtype]
+    rows = max(1, s.samples_per_step // s.world_size)
+    cache = rows * s.sequence_tokens * shape.num_layers * 2 * shape.kv_dim * e
+    prefill = rows * s.prompt_tokens * layer_activation_bytes(shape, e, expanded_kv=s.padding_mask)
+    return {"activations": cache + prefill, "logits": rows * shape.vocab_size * 4 * 2}
+
+
+def shared_weights_bytes(shape: ModelShape, s: MemorySetting, *, awake: bool) -> int:
+    """vLLM's weight-sync buffers in the trainer's process (rlkit.rollout.vllm_weights.SharedWeights): one
+    compute-dtype copy of the model, kept from a sync until the engine next sleeps."""
+    return shape.num_parameters * DTYPE_BYTES[s.compute_dtype] if s.engine == "vllm" and awake else 0
+
+
+def sync_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
+    """The weight sync: the actor gathered one full fp32 parameter at a time (the largest counts) and, for vLLM,
+    the shared compute-dtype buffers the engine reads the weights from, while its weights are awake."""
+    e = DTYPE_BYTES[s.compute_dtype]
+    largest = 4 * max(shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size)
+    if s.engine == "hf":
+        return {"gathered": largest, "engine": engine_bytes(shape, s, awake=True)}
+    weights = shape.num_parameters * e
+    return {"gathered": largest + weights, "engine": weights + int(VLLM_ASLEEP_GIB * GiB)}

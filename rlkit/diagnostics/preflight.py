@@ -1,0 +1,92 @@
+"""Before launch: the memory estimate of a run config, and the lint findings it raises (no cluster, no weights).
+
+    findings = preflight(cfg, world_size=8, device_memory_gib=139.8)   # reads cfg.model's config.json
+    print(findings)                                                    # "memory-will-not-fit" with its fixes
+    print(estimate_for(cfg, world_size=8, device_memory_gib=139.8))    # the whole table
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlkit.diagnostics import rules
+from rlkit.diagnostics.estimate import MemoryEstimate, estimate_memory
+from rlkit.diagnostics.lint import SEVERITIES, Finding, Findings
+from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
+
+if TYPE_CHECKING:
+    from rlkit.config import RLConfig
+
+
+def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: float) -> MemorySetting:
+    """The estimate's knobs from a GRPOConfig / PPOConfig on a GPU cluster (param_dtype "auto" is bf16 there).
+
+    Settings being added (padding_free, attn_implementation, fsdp.activation_checkpointing) are read with
+    their defaults until they exist.
+    """
+    fsdp, rollout = config.fsdp, config.rollout
+    padding_free = bool(getattr(config, "padding_free", False))
+    attention = getattr(config, "attn_implementation", "sdpa")
+    return MemorySetting(
+        device_memory_gib=device_memory_gib,
+        world_size=world_size,
+        sharding=fsdp.sharding,
+        hybrid_shard_size=fsdp.hybrid_shard_size,
+        compute_dtype="fp32" if fsdp.param_dtype == "fp32" else "bf16",
+        reduce_dtype=fsdp.reduce_dtype,
+        reshard_after_forward=fsdp.reshard_after_forward,
+        cpu_offload=fsdp.cpu_offload,
+        activation_checkpointing=bool(getattr(fsdp, "activation_checkpointing", False)),
+        prompt_tokens=rollout.max_prompt_tokens,
+        response_tokens=rollout.max_new_tokens,
+        samples_per_step=config.samples_per_step,
+        mini_batches=config.mini_batches,
+        micro_batch_size=config.micro_batch_size,
+        max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+        padding_free=padding_free,
+        padding_mask=not padding_free and attention == "sdpa",  # prompts of different lengths: left padding
+        reference=config.kl_coef > 0,
+        critic=config.algorithm == "ppo",
+        recompute_logprobs=config.recompute_logprobs,
+        entropy_bonus=config.entropy_coef > 0,
+        engine=rollout.engine,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        kv_cache_gib=rollout.kv_cache_gb,
+        engine_sleep=rollout.sleep,
+    )
+
+
+def estimate_for(
+    config: RLConfig,
+    model_config: ModelShape | Mapping | str | Path | Any = None,
+    *,
+    world_size: int,
+    device_memory_gib: float,
+) -> MemoryEstimate:
+    """:func:`estimate_memory` of ``config`` on ``world_size`` devices of ``device_memory_gib`` each.
+
+    ``model_config``: a config.json dict, a PretrainedConfig, a ModelShape or a model directory; None reads
+    ``config.model``'s config.json."""
+    setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib)
+    return estimate_memory(config.model if model_config is None else model_config, setting)
+
+
+def preflight(
+    config: RLConfig,
+    model_config: ModelShape | Mapping | str | Path | Any = None,
+    *,
+    world_size: int,
+    device_memory_gib: float,
+) -> Findings:
+    """Lint findings of ``config`` before anything launches: "memory-will-not-fit" when the estimate's peak
+    exceeds the device, with the fixes. Arguments as :func:`estimate_for`."""
+    est = estimate_for(config, model_config, world_size=world_size, device_memory_gib=device_memory_gib)
+    return estimate_findings(est)
+
+
+def estimate_findings(est: MemoryEstimate) -> Findings:
+    """The :data:`rules.PREFLIGHT` findings of an estimate (for ``trainer.lint()``, which has one already)."""
+    items = [Finding(**raw._asdict()) for rule in rules.PREFLIGHT for raw in rule(est)]
+    return Findings(sorted(items, key=lambda f: SEVERITIES.index(f.severity)))

@@ -1,0 +1,100 @@
+"""Runs on every rank: what every role that trains the policy holds, the FSDP actor and the frozen reference.
+
+:class:`ActorRole` is the base of :class:`~rlkit.workers.policy.PolicyWorker` (RL, with a rollout
+engine) and :class:`~rlkit.workers.preference.PreferenceWorker` (DPO, KTO). It owns the diagnostics
+the controller reads (``inspect``, ``memory_marks``, ``grad_report``) and the actor's checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlkit import diagnostics
+from rlkit.config import FSDPConfig, OptimConfig
+from rlkit.fsdp import apply_fsdp, build_mesh
+from rlkit.fsdp.checkpoint import export_hf
+from rlkit.models import load_causal_lm
+from rlkit.runtime import Role, context
+from rlkit.workers.phases import PhaseClock
+from rlkit.workers.training import TrainedModel
+
+
+class ActorRole(Role):
+    """One rank's shard of the trained policy (with AdamW and schedule) and, if asked, of a frozen reference."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        seed: int,
+        fsdp: FSDPConfig,
+        optim: OptimConfig,
+        optimizer_steps: int,
+        reference: bool,
+        trust_remote_code: bool,
+        attn_implementation: str = "sdpa",
+    ):
+        ctx = context()
+        self.model_dir = Path(model_dir)
+        self.device, self.rank, self.world_size = ctx.device, ctx.rank, ctx.world_size
+        torch.manual_seed(seed)
+        mesh = build_mesh(self.device.type, ctx.world_size, fsdp)
+        load = dict(
+            dtype=torch.float32,
+            device=self.device,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+        self.actor = TrainedModel.build(load_causal_lm(self.model_dir, **load), mesh, fsdp, optim, optimizer_steps)
+        self.reference: torch.nn.Module | None = None
+        if reference:
+            self.reference = apply_fsdp(load_causal_lm(self.model_dir, **load).requires_grad_(False), mesh, fsdp)
+        self.clock = PhaseClock(self.device)
+        self.memory = self._memory_tracker(engine=None)
+        self.grads: diagnostics.GradReport | None = None
+        """The last optimizer step's gradient report (per-unit local norms before clipping, global norm, loss)."""
+
+    def _memory_tracker(self, engine: torch.nn.Module | None) -> diagnostics.MemoryTracker:
+        models = [m for m in (self.actor.model, self.reference) if m is not None]
+        return diagnostics.MemoryTracker(self.device, models=models, optimizers=[self.actor.optimizer], engine=engine)
+
+    def setup_report(self) -> dict[str, object]:
+        return {"device": str(self.device), "memory_mb": diagnostics.memory_mb(self.device)}
+
+    # -- diagnostics (combined on the controller by rlkit.diagnostics) ---------------------------
+
+    def others(self) -> dict[str, torch.nn.Module]:
+        """The models besides the actor that this rank holds, by name, for :meth:`inspect`."""
+        return {} if self.reference is None else {"reference": self.reference}
+
+    def inspect(self) -> diagnostics.RankReport:
+        """The actor with its optimizer, and :meth:`others`."""
+        return diagnostics.inspect(self.actor.model, self.actor.optimizer, others=self.others())
+
+    def memory_marks(self) -> list[diagnostics.MemoryMark]:
+        return self.memory.marks
+
+    def grad_report(self) -> diagnostics.GradReport | None:
+        return self.grads
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, directory: str, export_hf_weights: bool) -> None:
+        """This rank's shards of actor and optimizer, its schedule and RNG; with ``export_hf_weights`` an HF export."""
+        path = Path(directory)
+        self.actor.save(path, "actor", self.rank)
+        torch.save({"rng": torch.get_rng_state()}, path / f"rng_rank{self.rank}.pt")
+        if export_hf_weights:
+            if self.rank == 0:
+                (path / "hf").mkdir()
+            dist.barrier()
+            export_hf(self.actor.model, path / "hf", self.model_dir)
+
+    def load(self, directory: str) -> None:
+        """Restore what :meth:`save` wrote."""
+        path = Path(directory)
+        self.actor.load(path, "actor", self.rank)
+        torch.set_rng_state(torch.load(path / f"rng_rank{self.rank}.pt", weights_only=True)["rng"])

@@ -1,0 +1,327 @@
+"""The preflight memory estimate: every term against hand arithmetic, the derivation against what autograd saves
+and what rlkit's loss path allocates on CPU, the 1/N scaling, the fixes and the lint before launch."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import gc
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import rlkit
+from rlkit import diagnostics as dx
+from rlkit.diagnostics.estimate import phase_bytes
+from rlkit.diagnostics.memory_terms import (
+    CUDA_CONTEXT_GIB,
+    FRAGMENTATION,
+    VLLM_ASLEEP_GIB,
+    GiB,
+    MemorySetting,
+    ModelShape,
+    activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    logits_layout,
+)
+from rlkit.models.loading import load_causal_lm
+from rlkit.models.logprobs import response_logits, sampled_logprobs
+from rlkit.models.tiny import TINY_MODEL_DIR
+
+SMALL = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+"""Made up: h 64, 4 heads of 16 (q 64), 2 kv heads (kv 32), intermediate 128, vocab 1000, tied, q/k/v biases."""
+QWEN_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+H200_GIB = 139.8
+"""torch.cuda.get_device_properties(0).total_memory / 2**30 on an H200."""
+ISSUE_15_RUN = dict(device_memory_gib=H200_GIB, prompt_tokens=64, response_tokens=1024, samples_per_step=128,
+                    micro_batch_size=16, recompute_logprobs=False, padding_mask=False, engine="hf")
+"""Issue 15's OOM: bench/grpo_step.py --shape 3b --engine hf --prompts 16 --group 8 --response-len 1024 --micro 16
+(64-token prompts and fixed lengths: no padding mask)."""
+
+
+def small_setting(**changes) -> MemorySetting:
+    """4 rows per step on 1 rank, 8-token prompts and responses, micro-batches of 2 rows: 32 tokens."""
+    base = dict(device_memory_gib=80.0, prompt_tokens=8, response_tokens=8, samples_per_step=4, micro_batch_size=2,
+                padding_mask=False)
+    return MemorySetting(**{**base, **changes})
+
+
+def test_parameter_counts_match_transformers():
+    # per layer: q 64*64 + k, v 2*64*32 + o 64*64 + biases 64 + 2*32 + MLP 3*64*128 + norms 2*64 = 37,120
+    # root: tied embedding 1000*64 + final norm 64 = 64,064; total 2*37,120 + 64,064 = 138,304
+    shape = ModelShape.from_config(SMALL)
+    assert (shape.layer_params, shape.root_params, shape.num_parameters) == (37_120, 64_064, 138_304)
+    qwen = Qwen2Config(**{k: v for k, v in SMALL.items() if k != "model_type"})
+    assert shape.num_parameters == sum(p.numel() for p in Qwen2ForCausalLM(qwen).parameters())
+    assert ModelShape.from_config(qwen) == shape  # a PretrainedConfig reads like its config.json
+    llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=500, tie_word_embeddings=False)
+    assert ModelShape.from_config(llama).num_parameters == sum(p.numel() for p in LlamaForCausalLM(llama).parameters())
+
+
+def test_a_bad_setting_names_every_problem():
+    with pytest.raises(ValueError, match=r"sharding='zero3'.*engine='trt'"):
+        MemorySetting(device_memory_gib=80, sharding="zero3", engine="trt")
+
+
+def test_every_term_by_hand():
+    shape, s = ModelShape.from_config(SMALL), small_setting()
+    b = phase_bytes(shape, s)
+    P = 138_304
+    state = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * P}  # fp32 master, fp32 grads, two moments
+    # one layer per token, bf16: norms 2*(4*64 + 2*2*64 + 4) = 1,032; attention 2*(2*64 + 2*32) + 4*4 = 400;
+    # MLP 4*2*128 = 1,024 -> 2,456
+    assert layer_activation_bytes(shape, 2, expanded_kv=False) == 2_456
+    # head per token: final norm 4*64 + 2*64 + 4, ids 8, cos/sin 2*16*2 -> 460; LM-head input 2*64 per head row
+    # 32 tokens (2 rows of 16), 16 response rows, 18 head rows (T + 1 per row)
+    head = 32 * 460 + 18 * 128
+    # logits: head output 18*1000 and its [:, :-1] copy 16*1000 in bf16, plus 3 fp32 chunks of 16 rows
+    logits = (18_000 + 16_000) * 2 + 3 * 16 * 1000 * 4
+    gathered = (64_064 + 2 * 37_120) * 2  # root + current and prefetched layer, bf16
+    engine = 2 * P  # the hf engine's whole bf16 copy
+    assert b["update"] == {**state, "engine": engine, "gathered": gathered,
+                           "activations": 2 * 2_456 * 32 + head, "logits": logits}
+    # backward: every layer's activations, plus the root's bf16 gradient and one layer's bf16 + fp32 gradients
+    assert b["backward"] == {**state, "engine": engine, "activations": 2 * 2_456 * 32,
+                             "gathered": gathered + 64_064 * 2 + 37_120 * (2 + 4)}
+    # scoring (no grad): one layer's intermediates and the forward's logits
+    assert b["scoring"] == {**state, "engine": engine, "gathered": gathered, "activations": 2_456 * 32,
+                            "logits": logits}
+    # generate for 4 rows: KV cache 4*16 tokens * 2 layers * (k, v) 32 * 2 bytes; prefill 4*8 tokens of one layer;
+    # one step's fp32 scores and log-softmax, 4 x 1000 each
+    assert b["rollout"] == {**state, "engine": engine, "activations": 4 * 16 * 2 * 2 * 32 * 2 + 4 * 8 * 2_456,
+                            "logits": 4 * 1000 * 4 * 2, "gathered": 0}
+    assert b["optimizer_step"] == {**state, "engine": engine, "optimizer": 8 * P + 4 * P, "gathered": 0}  # foreach
+    assert b["weight_sync"] == {**state, "engine": engine, "gathered": 4 * 1000 * 64}  # the largest fp32 param
+    est = dx.estimate_memory(SMALL, s)
+    in_process = sum(b["update"].values()) / GiB
+    assert est.phases["update"]["rest"] == pytest.approx(CUDA_CONTEXT_GIB + FRAGMENTATION * in_process)
+    assert est.peak_phase == "backward" and est.fits and est.fixes == []  # the gradients of the 64k-entry root
+
+
+def test_a_token_budget_counts_whole_padded_rows_unless_packed():
+    # 16-token rows, 4 rows per rank: a 40-token budget holds 2 whole padded rows (32 tokens), packed 40 tokens
+    assert small_setting(max_tokens_per_micro_batch=40).tokens_per_micro_batch == 32
+    assert small_setting(max_tokens_per_micro_batch=40, padding_free=True).tokens_per_micro_batch == 40
+    assert small_setting(max_tokens_per_micro_batch=1000, padding_free=True).tokens_per_micro_batch == 64  # 4 rows
+    assert small_setting(micro_batch_size=64).tokens_per_micro_batch == 64  # no more rows than the rank has
+
+
+def test_activation_checkpointing_keeps_layer_inputs_and_one_recompute():
+    shape, s = ModelShape.from_config(SMALL), small_setting(activation_checkpointing=True)
+    inputs = 2 * 2 * 64 * 32  # 2 layers x bf16 hidden 64 x 32 tokens
+    assert activation_bytes(shape, s, 2, phase="update") == inputs + head_activation_bytes(shape, s, 2)
+    # the last layer's backward: all inputs + that layer recomputed (2,456 per token) + its MLP gradients (3*2*128)
+    assert activation_bytes(shape, s, 2, phase="backward") == inputs + 32 * (2_456 + 3 * 2 * 128)
+    deep = ModelShape.from_config(QWEN_3B)
+    off = activation_bytes(deep, dataclasses.replace(s, activation_checkpointing=False), 2, phase="update")
+    on = activation_bytes(deep, s, 2, phase="update")
+    assert on < off / 10  # 36 layers: 2h bytes per token each instead of ~130 KB
+
+
+def test_sharded_terms_scale_as_one_over_n():
+    one = phase_bytes(ModelShape.from_config(QWEN_3B), MemorySetting(**ISSUE_15_RUN))["update"]
+    for world, sharding, group, divisor in [(2, "full", 0, 2), (8, "full", 0, 8), (8, "hybrid", 2, 2),
+                                             (8, "no_shard", 0, 1)]:
+        s = MemorySetting(**{**ISSUE_15_RUN, "world_size": world, "sharding": sharding, "hybrid_shard_size": group})
+        many = phase_bytes(ModelShape.from_config(QWEN_3B), s)["update"]
+        for term in ("parameters", "gradients", "optimizer"):
+            assert many[term] == pytest.approx(one[term] / divisor, rel=1e-9), (world, sharding, term)
+        for term in ("activations", "logits", "engine", "gathered"):  # per-rank costs: 16 rows per rank still
+            assert many[term] == one[term], (world, sharding, term)
+
+
+def _tiny_lm(cls, e_dtype: torch.dtype, layers: int = 2, vocab: int = 1000):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True)
+    return cfg, cls(cfg).to(e_dtype).train()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("padded", [False, True])
+def test_layer_formula_is_what_autograd_saves(dtype, padded):
+    cfg, model = _tiny_lm(Qwen2ForCausalLM, dtype)
+    rows, seq, keep = 4, 96, 33
+    ids, mask = torch.randint(0, 1000, (rows, seq)), torch.ones(rows, seq, dtype=torch.long)
+    if padded:
+        mask[0, :5] = 0  # left padding: transformers builds a mask and expands k, v to every head
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=keep)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    e = 2 if dtype == torch.bfloat16 else 4
+    shape = ModelShape.from_config(cfg)
+    s = MemorySetting(device_memory_gib=1, prompt_tokens=seq - keep + 1, response_tokens=keep - 1,
+                      samples_per_step=rows, micro_batch_size=rows, padding_mask=padded)
+    assert measured == pytest.approx(activation_bytes(shape, s, e, phase="update"), rel=0.01)
+
+
+class _HostPeak(TorchDispatchMode):
+    """Peak of glibc's in-use heap (brk + mmap) after every aten op: the host's 'max_memory_allocated'."""
+
+    def __init__(self, libc):
+        super().__init__()
+        self.libc, self.ops, self.peak = libc, 0, 0
+        self.base = self.in_use()
+
+    def in_use(self) -> int:
+        info = self.libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self.peak = max(self.peak, self.in_use() - self.base)
+        return out
+
+
+def _mallinfo2():
+    path = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(path) if path else None
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc's mallinfo2")
+    fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    layout = [(f, ctypes.c_size_t) for f in fields]
+    libc.mallinfo2.restype = type("mallinfo2", (ctypes.Structure,), {"_fields_": layout})
+    return libc
+
+
+@pytest.mark.parametrize("checkpointing,padded", [(False, False), (True, True)])
+def test_loss_path_peak_matches_the_estimate(checkpointing, padded):
+    """rlkit's loss path (response_logits + sampled_logprobs, forward and backward) on a bf16 model on CPU: the
+    heap's peak equals the estimate's activations + logits. Weight gradients are dropped as they arrive, as FSDP's
+    reduce-scatter does (the estimate counts them in the sharded state)."""
+    libc = _mallinfo2()
+    cfg, model = _tiny_lm(Qwen2ForCausalLM, torch.bfloat16, layers=4)
+    if checkpointing:  # transformers' per-layer non-reentrant checkpointing stands in for fsdp's
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rows, prompt, response = 8, 64, 128
+    ids, mask = torch.randint(0, 1000, (rows, prompt + response)), torch.ones(rows, prompt + response, dtype=int)
+    if padded:
+        mask[0, :10] = 0
+
+    def loss():  # as Actor._micro_loss: the logits go out of scope before backward
+        logits = response_logits(model, ids, mask, response)
+        return sampled_logprobs(logits, ids[:, -response:], 0.7)[0].sum()
+
+    def loss_backward():
+        loss().backward()
+
+    loss_backward()  # warm up (lazy allocations)
+    for p in model.parameters():
+        p.grad = None
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    gc.collect()
+    with _HostPeak(libc) as host:
+        loss_backward()
+    shape = ModelShape.from_config(cfg)
+    s = MemorySetting(device_memory_gib=1, prompt_tokens=prompt, response_tokens=response, samples_per_step=rows,
+                      micro_batch_size=rows, padding_mask=padded, activation_checkpointing=checkpointing)
+    at_loss = activation_bytes(shape, s, 2, phase="update") + logits_bytes(logits_layout(s), 1000, 2, grad=True)
+    predicted = max(at_loss, activation_bytes(shape, s, 2, phase="backward"))
+    assert host.ops > 100
+    assert host.peak == pytest.approx(predicted, rel=0.05)
+
+
+def test_qwen_3b_on_one_h200_does_not_fit():
+    """Issue 15: this run stopped in its first update with 128.8 GiB allocated by PyTorch (and more requested)."""
+    est = dx.estimate_memory(QWEN_3B, **ISSUE_15_RUN)
+    assert not est.fits and est.peak_phase == "update"
+    assert est.peak_gib == pytest.approx(147.6, abs=0.1)  # 46.0 state + 5.8 engine + 76.2 act + 10.8 logits + ...
+    assert est.allocated_gib() == pytest.approx(139.6, abs=0.1)  # above the 128.8 GiB the OOM reported
+    assert [f.setting for f in est.fixes] == ["fsdp.activation_checkpointing", "micro_batch_size",
+                                              "fsdp.cpu_offload", "world_size", "rollout.engine"]
+    assert str(est.fixes[0]).startswith("turn on fsdp.activation_checkpointing (peak 147.6 -> 70.3 GiB, fits)")
+    row = est.compare(128.8).iloc[0]
+    assert row["phase"] == "update"
+    assert row["measured/predicted"] == pytest.approx(128.8 / est.allocated_gib(), abs=1e-3)
+
+
+def test_each_fix_is_the_estimate_with_that_change():
+    est = dx.estimate_memory(QWEN_3B, **ISSUE_15_RUN)
+    fixes = {f.setting: f for f in est.fixes}
+    knobs = {"fsdp.activation_checkpointing": "activation_checkpointing", "fsdp.cpu_offload": "cpu_offload",
+             "world_size": "world_size"}
+    for name, knob in knobs.items():
+        again = dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, knob: fixes[name].value})
+        assert again.peak_gib == pytest.approx(fixes[name].peak_gib)
+    rows = fixes["micro_batch_size"].value  # padded: the most rows that fit
+    assert rows == 14 and dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, "micro_batch_size": rows}).fits
+    assert not dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, "micro_batch_size": rows + 1}).fits
+    packed = {**ISSUE_15_RUN, "padding_free": True}  # packed: a token budget bounds the micro-batch
+    budget = {f.setting: f for f in dx.estimate_memory(QWEN_3B, **packed).fixes}["max_tokens_per_micro_batch"].value
+    assert dx.estimate_memory(QWEN_3B, **packed, max_tokens_per_micro_batch=budget).fits
+    assert not dx.estimate_memory(QWEN_3B, **packed, max_tokens_per_micro_batch=budget + 1).fits
+    assert fixes["world_size"].value == 2 and "more ranks: 2 ranks" in str(fixes["world_size"])
+
+
+def test_vllm_engine_awake_in_rollout_asleep_in_update():
+    run = {**ISSUE_15_RUN, "engine": "vllm", "gpu_memory_utilization": 0.9, "micro_batch_size": 2}
+    est = dx.estimate_memory(QWEN_3B, **run)
+    assert est.phases["rollout"]["engine"] == pytest.approx(0.9 * H200_GIB)
+    assert est.phases["update"]["engine"] == pytest.approx(VLLM_ASLEEP_GIB)
+    assert est.peak_phase == "rollout" and not est.fits  # 46 GiB of actor state beside 126 GiB of engine
+    lower = {f.setting: f for f in est.fixes}["rollout.gpu_memory_utilization"]
+    assert lower.peak_gib <= H200_GIB
+    assert dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": lower.value}).fits
+    weights = 2 * 3_085_938_688 / GiB  # the bf16 weight-sync buffers in the trainer's process, while vLLM is awake
+    asleep = dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": 0.5})
+    assert asleep.phases["rollout"]["gathered"] == pytest.approx(weights)
+    awake = dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": 0.5, "engine_sleep": "never"})
+    assert awake.phases["update"]["engine"] == pytest.approx(0.5 * H200_GIB)
+    assert awake.phases["update"]["gathered"] == pytest.approx(asleep.phases["update"]["gathered"] + weights)
+    assert awake.allocated_gib("update") == pytest.approx(
+        sum(awake.phases["update"].values()) - awake.phases["update"]["rest"] - 0.5 * H200_GIB)
+    # "auto" stays awake only if the whole step then leaves 10% of the device free (rlkit.rollout.sleep)
+    for util, stays in ((0.3, True), (0.5, False)):  # awake peaks 111.0 and 138.9 GiB against 0.9 x 139.8
+        modes = {m: dx.estimate_memory(QWEN_3B, **{**run, "gpu_memory_utilization": util, "engine_sleep": m})
+                 for m in ("auto", "never", "always")}
+        assert (modes["never"].peak_gib <= 0.9 * H200_GIB) == stays
+        assert modes["auto"].phases == modes["never" if stays else "always"].phases
+
+
+def test_preflight_lints_an_oversize_config_with_its_fix_and_passes_a_fitting_one():
+    rollout = rlkit.RolloutConfig(max_new_tokens=1024, min_new_tokens=1024, max_prompt_tokens=64)
+    big = rlkit.GRPOConfig(model="tiny", prompts_per_step=16, group_size=8, micro_batch_size=16,
+                           recompute_logprobs=False, rollout=rollout)
+    found = dx.preflight(big, QWEN_3B, world_size=1, device_memory_gib=H200_GIB)
+    assert found.ids == ["memory-will-not-fit"]
+    finding = found.items[0]
+    assert finding.severity == "error" and finding.ranks == (0,)
+    assert "in the update phase" in finding.message and "17,408 tokens per micro-batch" in finding.evidence
+    assert finding.fix.startswith("turn on fsdp.activation_checkpointing (peak ")
+    assert "micro_batch_size <= 13 rows of 1088 tokens" in finding.fix  # padded (the padding mask costs a row)
+    small = dataclasses.replace(big, micro_batch_size=2)
+    assert len(dx.preflight(small, QWEN_3B, world_size=1, device_memory_gib=H200_GIB)) == 0
+    assert len(dx.preflight(big, QWEN_3B, world_size=4, device_memory_gib=H200_GIB)) == 0  # state / 4 fits
+    tiny = dx.estimate_for(rlkit.GRPOConfig(model="tiny"), world_size=2, device_memory_gib=80.0)  # its config.json
+    model = load_causal_lm(TINY_MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
+    assert tiny.fits and tiny.shape.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_compare_marks_reads_trainer_memory():
+    est = dx.estimate_memory(QWEN_3B, **{**ISSUE_15_RUN, "micro_batch_size": 4})
+    marks = pd.DataFrame({"rank": [0, 0, 0, 1], "phase": ["rollout", "forward_backward", "optimizer_step",
+                                                            "forward_backward"],
+                          "peak_mb": [50 * 1024, 60 * 1024, 58 * 1024, 80 * 1024]})
+    table = est.compare_marks(marks).set_index("phase")
+    assert list(table.index) == ["rollout", "update", "optimizer_step"]  # no scoring or sync marks here
+    update = max(est.allocated_gib("update"), est.allocated_gib("backward"))  # one mark spans both
+    assert table.loc["update", "measured_gib"] == 80  # the largest over ranks
+    assert table.loc["update", "measured/predicted"] == pytest.approx(80 / update, abs=1e-3)
+    assert table.loc["rollout", "predicted_gib"] == pytest.approx(est.allocated_gib("rollout"), abs=0.01)
