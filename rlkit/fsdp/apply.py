@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch.distributed._composable import checkpoint
@@ -58,7 +59,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     if config.version == 1:
         return _apply_fsdp1(model, mesh, config)
     compute = param_dtype(config, mesh.device_type)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
         reshard_after_forward=config.reshard_after_forward,
@@ -80,7 +81,7 @@ def _prepare_layers(model: torch.nn.Module, config: FSDPConfig) -> None:
             checkpoint(layer)  # composable: forward hooks, the module tree and names stay as they are
         if config.compile:
             # the forward only: FSDP's and the checkpoint's hooks stay outside the compiled code
-            layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+            layer.forward = torch.compile(layer.forward)
     head = response_head(model)
     if config.compile and head is not None:
         head.compile_chunk_math()

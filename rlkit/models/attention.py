@@ -23,6 +23,7 @@ restarting at 0 for each, ``attention_mask=None``) under each implementation:
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
@@ -99,8 +100,9 @@ def _per_sequence_sdpa(query, key, value, cu_seq_lens: torch.Tensor, scaling: fl
 
 def _flash_varlen(q, k, v, cu_seq_lens: torch.Tensor, max_length: int, scaling: float | None) -> torch.Tensor:
     """torch's variable-length flash attention, causal: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn as kernel
 
+    varlen_attn: Any = kernel  # its keywords differ between torch versions
     params = inspect.signature(varlen_attn).parameters
     # torch 2.10 takes is_causal, later ones window_size; 2.13 asks for enable_gqa, earlier kernels take
     # fewer kv heads as they are

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ class ResponseHead(nn.Linear):
         self.weight = linear.weight  # the same Parameter: tying and names are kept
         self.register_parameter("bias", None)
         self._request: HeadRequest | None = None
-        self._math = EAGER
+        self._math: ChunkMath = EAGER
 
     def compile_chunk_math(self) -> None:
         """Run each chunk's elementwise math compiled from now on (``FSDPConfig.compile`` does this)."""
@@ -90,7 +90,7 @@ def response_head(model: nn.Module) -> ResponseHead | None:
     return head if isinstance(head, ResponseHead) else None
 
 
-def install_response_head(model: nn.Module) -> bool:
+def install_response_head(model: Any) -> bool:
     """Swap a causal LM's bias-free ``lm_head`` for a :class:`ResponseHead` on the same weight, before FSDP
     wrapping; True if done. Families outside PACKABLE_MODEL_TYPES keep theirs (their forward may transform
     the logits after the head) and take the plain log-prob path."""
@@ -189,7 +189,7 @@ class _LinearLogprobs(torch.autograd.Function):
     """Forward keeps one fp32 log-sum-exp (and entropy) per row; backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx, hidden, weight, tokens, temperature: float, entropy: str, rows: int, math: ChunkMath
     ):
         m = hidden.shape[0]
@@ -205,7 +205,7 @@ class _LinearLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         hidden, weight, tokens, lse, ent = ctx.saved_tensors
         grad_lp = grad_out[:, 0].contiguous()
         grad_ent = grad_out[:, 1].contiguous() if ctx.entropy == "grad" else None

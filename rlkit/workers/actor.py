@@ -8,6 +8,7 @@ the controller reads (``inspect``, ``memory_marks``, ``grad_report``) and the ac
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ class ActorRole(Role):
         self.device, self.rank, self.world_size = ctx.device, ctx.rank, ctx.world_size
         torch.manual_seed(seed)
         mesh = build_mesh(self.device.type, ctx.world_size, fsdp)
-        load = dict(
+        load: dict[str, Any] = dict(
             dtype=torch.float32,
             device=self.device,
             trust_remote_code=trust_remote_code,
