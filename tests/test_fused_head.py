@@ -97,8 +97,8 @@ def test_compiled_chunk_math_matches_eager():
     weight = torch.randn(33, 8, requires_grad=True)
     tokens = torch.randint(0, 33, (9,))
     results = []
-    for math in (None, compiled_chunk_math()):
-        out = linear_logprobs(hidden, weight, tokens, 0.8, "grad", chunk_rows=3, math=math)
+    for chunk_math in (None, compiled_chunk_math()):
+        out = linear_logprobs(hidden, weight, tokens, 0.8, "grad", chunk_rows=3, math=chunk_math)
         results.append((out, *torch.autograd.grad(out.sum(), (hidden, weight))))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
