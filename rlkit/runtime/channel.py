@@ -6,7 +6,8 @@ argv or the environment, which other users may read). One connection per worker 
 tuples pickled by ``Connection.send``; function payloads inside them are bytes made by
 ``transport.dumps``.
 
-controller -> worker: ("init", {"device", "sys_path", "shm_prefix"}), ("call", call_id, payload),
+controller -> worker: ("init", {"device", "sys_path", "shm_prefix", "init_method"}),
+("call", call_id, payload),
 ("shutdown",).
 worker -> controller: ("hello", {"rank", "pid", "host", "cuda_devices"}), ("ready", {"device"}),
 ("failed", error), ("loaded", call_id), ("result", call_id, ok, payload_or_error),
@@ -20,6 +21,7 @@ import os
 import queue
 import secrets
 import socket
+import struct
 import sys
 import threading
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -28,11 +30,16 @@ from typing import IO, Any
 logger = logging.getLogger(__name__)
 
 
+AUTH_TIMEOUT_S = 10.0
+
+
 class ControlListener:
     """Loopback listener that authenticates each peer in its own thread, so a stalled or hostile
-    peer cannot hold up the workers' connections; refused peers are logged."""
+    peer cannot hold up the workers' connections; refused peers are logged. A peer that has not
+    answered the challenge within ``auth_timeout`` seconds is refused too."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth_timeout: float = AUTH_TIMEOUT_S) -> None:
+        self.auth_timeout = auth_timeout
         self.authkey = secrets.token_bytes(32)
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.address: tuple[str, int] = self._sock.getsockname()
@@ -67,6 +74,7 @@ class ControlListener:
                 return
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _set_receive_timeout(sock, self.auth_timeout)  # a blocked read then fails
             threading.Thread(target=self._authenticate, args=(Connection(sock.detach()), peer),
                              name="rlkit-control-auth", daemon=True).start()
 
@@ -83,7 +91,16 @@ class ControlListener:
             logger.warning("closed an unexpected connection from %s: all workers have joined", peer)
             conn.close()
             return
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            _set_receive_timeout(sock, 0.0)  # authenticated: reads may wait as long as they need
         self._accepted.put(conn)
+
+
+def _set_receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """SO_RCVTIMEO: a blocking read on the socket fails after ``seconds`` (0: never)."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 class WorkerChannel:

@@ -31,7 +31,7 @@ import pandas as pd
 
 from rlkit.runtime import transport
 from rlkit.runtime.core import CANCELLED
-from rlkit.runtime.errors import RELAUNCH_HINT, ClusterBroken, RankFailure, RemoteError, WorkerDied, WorkerHung
+from rlkit.runtime.errors import RELAUNCH_HINT, ClusterBroken, RankFailure, WorkerDied, WorkerHung, remote_error
 from rlkit.runtime.logs import OutputForwarder
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,9 @@ class Cluster:
 
         Arguments wrapped in ``PerRank`` give each rank its own item. Everything travels by value
         (cloudpickle; tensors through shared memory or the object store). Raises ``RemoteError``
-        if any rank raised, ``WorkerDied`` if a worker died, ``WorkerHung`` if ranks hung (see
-        the module docstring); KeyboardInterrupt cancels the call on every rank.
+        if any rank raised (``WorkerOutOfMemory``, a ``RemoteError``, if one ran out of memory),
+        ``WorkerDied`` if a worker died, ``WorkerHung`` if ranks hung (see the module docstring);
+        KeyboardInterrupt cancels the call on every rank.
         """
         self._check_usable()
         if not callable(fn):
@@ -186,7 +187,7 @@ class Cluster:
         finally:
             output.release(call.id if finished else None)
         if call.failures:
-            raise RemoteError(call.failures)
+            raise remote_error(call.failures, call.name)
         return [call.results[rank] for rank in range(self.world_size)]
 
     def _collect(self, call: _Call) -> None:
@@ -225,7 +226,7 @@ class Cluster:
         broken = self._broken is not None
         if call.failures:
             stack_text = "\n".join(f"\nStacks of rank {r}:\n{stacks[r] or '(no answer)'}" for r in ranks)
-            raise RemoteError(call.failures, note=f"Ranks {ranks} {reason}. {outcome}{stack_text}")
+            raise remote_error(call.failures, call.name, note=f"Ranks {ranks} {reason}. {outcome}{stack_text}")
         raise WorkerHung(ranks, reason, stacks, cluster_broken=broken, log_dir=str(self.log_dir))
 
     def _cancel(self, call: _Call, reason: str) -> str:

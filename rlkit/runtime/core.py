@@ -27,12 +27,15 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from rlkit.runtime import memory
 from rlkit.runtime.context import WorkerContext, set_context
+from rlkit.runtime.logs import DONE_MARKER
 
 logger = logging.getLogger(__name__)
 
 CANCEL_SIGNAL = signal.SIGUSR2
 CANCELLED = "rlkit.CallCancelled"  # the "type" of a cancelled call's error info
+LoadedCall = tuple[Callable[..., Any], tuple, dict[str, Any]]  # (fn, args, kwargs)
 
 
 class CallCancelled(BaseException):
@@ -48,9 +51,10 @@ class WorkerCore:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._main_ident = threading.main_thread().ident
+        self._main_ident: int = threading.get_ident()  # built on the main thread
         self._running: int | None = None  # id of the call running on the main thread
         self._cancel: int | None = None  # id of the call the controller wants cancelled
+        self.context: WorkerContext | None = None  # set by join
         signal.signal(CANCEL_SIGNAL, self._on_cancel_signal)
 
     def join(self, config: dict[str, Any]) -> WorkerContext:
@@ -59,28 +63,57 @@ class WorkerCore:
         the worker context.
 
         config: "device" ("cpu"|"cuda"), "sys_path", "env" (RANK, WORLD_SIZE, LOCAL_RANK,
-        MASTER_ADDR, ... where the launcher did not set them), optionally "cuda_index" (this rank's
-        GPU; default LOCAL_RANK).
+        MASTER_ADDR, ... where the launcher did not set them), optionally "init_method" (where
+        the ranks meet, e.g. "file:///private/dir/rendezvous"; default "env://": MASTER_ADDR and
+        MASTER_PORT) and "cuda_index" (this rank's GPU; default LOCAL_RANK).
         """
         paths = config["sys_path"]
         sys.path[:] = paths + [p for p in sys.path if p not in paths]
         os.environ.update(config.get("env", {}))
         local_rank = int(os.environ["LOCAL_RANK"])
+        meet = {"init_method": config.get("init_method", "env://"), "rank": self.rank,
+                "world_size": int(os.environ["WORLD_SIZE"])}
         if config["device"] == "cuda":
             device, backend = torch.device("cuda", config.get("cuda_index", local_rank)), "nccl"
             torch.cuda.set_device(device)
-            dist.init_process_group(backend, device_id=device)
+            dist.init_process_group(backend, device_id=device, **meet)
         else:
             device, backend = torch.device("cpu"), "gloo"
-            dist.init_process_group(backend)
-        ctx = WorkerContext(rank=self.rank, world_size=dist.get_world_size(), local_rank=local_rank,
-                            device=device, backend=backend, host=socket.gethostname())
-        set_context(ctx)
-        return ctx
+            dist.init_process_group(backend, **meet)
+        self.context = WorkerContext(rank=self.rank, world_size=dist.get_world_size(),
+                                     local_rank=local_rank, device=device, backend=backend,
+                                     host=socket.gethostname())
+        set_context(self.context)
+        return self.context
 
-    def run_call(self, call_id: int, fn: Callable[..., Any], args: tuple,
+    def execute(self, call_id: int, load: Callable[[], LoadedCall], dump: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """One call as both backends run it: ``load()`` gives ``(fn, args, kwargs)``, ``fn`` runs on
+        this (main) thread, ``dump(result)`` packs its result for the controller. Returns
+        ``(True, packed)`` or ``(False, error info)``, after marking the end of the call's output
+        on file descriptor 1 (``DONE_MARKER``)."""
+        ok, reply = self._execute(call_id, load, dump)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(1, f"{DONE_MARKER}{call_id}\n".encode())
+        return ok, reply
+
+    def _execute(self, call_id: int, load: Callable[[], LoadedCall], dump: Callable[[Any], Any]) -> tuple[bool, Any]:
+        try:
+            fn, args, kwargs = load()
+        except Exception as exc:  # noqa: BLE001 - reported to the controller
+            return False, self._failure(exc, "the call cannot be loaded on the worker: ")
+        ok, result = self._run_call(call_id, fn, args, kwargs)
+        if not ok:
+            return False, result
+        try:
+            return True, dump(result)
+        except Exception as exc:  # noqa: BLE001 - reported to the controller
+            return False, self._failure(exc, "the function returned, but its result cannot be sent back: ")
+
+    def _run_call(self, call_id: int, fn: Callable[..., Any], args: tuple,
                  kwargs: dict[str, Any]) -> tuple[bool, Any]:
-        """Run ``fn`` on this (main) thread: ``(True, result)`` or ``(False, error_info(...))``."""
+        """Run ``fn`` on this (main) thread: ``(True, result)`` or ``(False, error info)``; an
+        allocation failure's error info carries this rank's memory report ("memory")."""
         try:
             self._running = call_id
             try:
@@ -94,7 +127,15 @@ class WorkerCore:
             return False, {"type": CANCELLED, "message": "cancelled by the controller",
                            "traceback": ""}
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to the controller
-            return False, error_info(exc)
+            return False, self._failure(exc)
+
+    def _failure(self, exc: BaseException, prefix: str = "") -> dict[str, str]:
+        """``error_info``, with this rank's memory report if ``exc`` is an allocation failure
+        (taken now, while the failed call's frames and their tensors are still alive)."""
+        info = error_info(exc, prefix)
+        if memory.is_out_of_memory(exc) and self.context is not None:
+            info["memory"] = memory.report(self.context.device, self.context.memory_reports)
+        return info
 
     def cancel(self, call_id: int) -> None:
         """Cancel call ``call_id`` (from any thread): raise ``CallCancelled`` in it if it is
@@ -117,8 +158,8 @@ class WorkerCore:
             name = names.get(ident, f"0x{ident:x}")
             if name.startswith("rlkit-"):
                 continue
-            entries = traceback.extract_stack(frame)
-            calls = [i for i, e in enumerate(entries) if e.filename == __file__ and e.name == "run_call"]
+            entries = list(traceback.extract_stack(frame))
+            calls = [i for i, e in enumerate(entries) if e.filename == __file__ and e.name == "_run_call"]
             what = ""
             if ident == self._main_ident and calls:
                 what, entries = " (running the call)", entries[calls[-1] + 1:]

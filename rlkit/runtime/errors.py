@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import signal
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 RELAUNCH_HINT = "relaunch with rlkit.launch(...)"
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """One rank's exception, as text (the exception object itself stays on the worker)."""
+    """One rank's exception, as text (the exception object itself stays on the worker).
+
+    ``memory`` is set when the rank ran out of memory: its memory report at that moment (see
+    ``WorkerContext.set_memory_report``); ``out_of_memory`` says whether it did.
+    """
 
     rank: int
     host: str
@@ -18,23 +25,51 @@ class RankFailure:
     exc_type: str
     message: str
     traceback: str
+    memory: str | None = None
 
-    def headline(self) -> str:
-        return (f"rank {self.rank} (host {self.host}, device {self.device}) raised "
-                f"{self.exc_type}: {self.message}")
+    @classmethod
+    def from_info(cls, rank: int, host: str, device: str, info: dict[str, str]) -> RankFailure:
+        """From a worker's error info ("type", "message", "traceback", "memory" if it ran out)."""
+        return cls(rank, host, device, info["type"], info["message"], info["traceback"], info.get("memory"))
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.memory is not None
+
+    def headline(self, call: str = "") -> str:
+        where = f"rank {self.rank} (host {self.host}, device {self.device})"
+        if self.out_of_memory:
+            return f"{where} ran out of memory in {call or 'the call'}: {self.exc_type}: {self.message}"
+        return f"{where} raised {self.exc_type}: {self.message}"
+
+
+def decode_reply(rank: int, host: str, device: str, ok: bool, reply: Any, load: Callable[[Any], Any]) -> Any:
+    """A worker's reply as the controller keeps it: ``load(reply)`` (the result), or a ``RankFailure``."""
+    if not ok:
+        return RankFailure.from_info(rank, host, device, reply)
+    try:
+        return load(reply)
+    except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
+        return RankFailure(rank, host, device, type(exc).__name__,
+                           f"its result cannot be loaded in the controller: {exc}", traceback.format_exc())
 
 
 class RemoteError(RuntimeError):
-    """One or more ranks raised; ``failures`` holds every rank's error, in rank order.
+    """One or more ranks raised; ``failures`` holds every rank's error, in rank order, and ``call``
+    names the function that was running.
 
     The message names every failed rank and shows the first rank's remote traceback in full.
     """
 
-    def __init__(self, failures: list[RankFailure], note: str = "") -> None:
+    def __init__(self, failures: list[RankFailure], note: str = "", call: str = "") -> None:
         self.failures = sorted(failures, key=lambda f: f.rank)
+        self.call = call
         first = self.failures[0]
-        lines = [first.headline()]
-        lines += [f"also {f.headline()}" for f in self.failures[1:]]
+        lines = [first.headline(call)]
+        lines += [f"also {f.headline(call)}" for f in self.failures[1:]]
+        for f in self.failures:
+            if f.out_of_memory:
+                lines += ["", f"Memory of rank {f.rank} when it ran out:", (f.memory or "").rstrip()]
         if note:
             lines.append(note)
         lines += ["", f"Remote traceback (rank {first.rank}):", first.traceback.rstrip()]
@@ -43,6 +78,26 @@ class RemoteError(RuntimeError):
     @property
     def ranks(self) -> list[int]:
         return [f.rank for f in self.failures]
+
+
+class WorkerOutOfMemory(RemoteError):
+    """A ``RemoteError`` where at least one rank ran out of memory (CUDA, or host memory).
+
+    The message says which rank ran out of memory in which function (``call``), and shows each such
+    rank's memory report; ``out_of_memory`` lists those ranks' failures (``failure.memory`` is the
+    report's text). Catch it before ``RemoteError`` to react to memory specifically.
+    """
+
+    @property
+    def out_of_memory(self) -> list[RankFailure]:
+        return [f for f in self.failures if f.out_of_memory]
+
+
+def remote_error(failures: list[RankFailure], call: str, note: str = "") -> RemoteError:
+    """The error for a call where ``failures`` happened: ``WorkerOutOfMemory`` if a rank ran out of
+    memory, else ``RemoteError``."""
+    cls = WorkerOutOfMemory if any(f.out_of_memory for f in failures) else RemoteError
+    return cls(failures, note=note, call=call)
 
 
 class WorkerDied(RuntimeError):

@@ -48,7 +48,9 @@ def launch(world_size: int = 2, *, backend: str = "local", device: str = "auto",
     limit). Both are attributes of the cluster that can be changed later.
     log_dir: where ``rank<N>.log`` files go (default: a fresh temporary directory).
     env: extra environment variables for the workers (e.g. ``{"OMP_NUM_THREADS": "4"}``; the
-    default gives each local rank an equal share of the cores).
+    default gives each local rank an equal share of the cores). The local backend sets the
+    torch.distributed variables itself, and GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to the loopback
+    interface (nothing of it listens beyond loopback); ``env`` cannot change those.
     """
     _check(world_size, backend, device, address, timeout, hang_timeout, call_timeout, env)
     _shutdown_all()

@@ -6,6 +6,7 @@ Process management only: spawn, start-up handshake, receiving, death detection, 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -18,7 +19,9 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import psutil
 
 from rlkit.runtime.channel import ControlListener, send_authkey
 from rlkit.runtime.errors import RankFailure, RemoteError, WorkerDied
@@ -52,24 +55,30 @@ class Worker:
 
 def start(workers: list[Worker], listener: ControlListener, *, world_size: int, device: str,
           timeout: float, log_dir: Path, env: dict[str, str] | None, shm_prefix: str,
-          output: OutputForwarder) -> str:
+          private_dir: Path, output: OutputForwarder) -> str:
     """Spawn ``world_size`` workers (appended to ``workers`` as they start, so the caller can
     stop them if this raises), connect them through ``listener`` and wait until all have joined
     the process group. Returns the device kind chosen ("cpu" or "cuda").
+
+    The process group meets in a ``FileStore`` in ``private_dir`` (a directory only this user can
+    enter), not a TCP store: torch's ``TCPStore`` listens on every interface, unauthenticated.
     """
-    master_port = _free_port()
+    interface = loopback_interface()
     for rank in range(world_size):
-        worker = _spawn(rank, world_size, listener.address, master_port, env, log_dir)
+        worker = _spawn(rank, world_size, listener.address, interface, env, log_dir)
         workers.append(worker)
+        assert worker.proc.stdout is not None and worker.proc.stdin is not None  # both are pipes
         output.attach(rank, worker.proc.stdout, worker.log_path)
         send_authkey(worker.proc.stdin, listener.authkey)
     deadline = time.monotonic() + timeout
     cuda_devices = _await_hellos(workers, listener, deadline, output)
     listener.seal()
     kind = choose_device(device, cuda_devices, world_size)
-    config = {"device": kind, "sys_path": list(sys.path), "shm_prefix": shm_prefix}
+    config = {"device": kind, "sys_path": list(sys.path), "shm_prefix": shm_prefix,
+              "init_method": f"file://{private_dir / 'rendezvous'}"}
     for worker in workers:
         try:
+            assert worker.conn is not None  # every rank said hello
             worker.conn.send(("init", config))
         except OSError:  # it died; _await_ready reports it
             worker.disconnected = True
@@ -77,7 +86,7 @@ def start(workers: list[Worker], listener: ControlListener, *, world_size: int, 
     return kind
 
 
-def _spawn(rank: int, world_size: int, address: tuple[str, int], master_port: int,
+def _spawn(rank: int, world_size: int, address: tuple[str, int], interface: str,
            extra_env: dict[str, str] | None, log_dir: Path) -> Worker:
     cmd = [sys.executable, "-m", "rlkit.runtime.worker", "--address", f"{address[0]}:{address[1]}",
            "--parent-pid", str(os.getpid())]
@@ -87,28 +96,36 @@ def _spawn(rank: int, world_size: int, address: tuple[str, int], master_port: in
         cmd.append("--watch-parent")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True,
-                            env=_worker_env(rank, world_size, master_port, extra_env))
+                            env=_worker_env(rank, world_size, interface, extra_env))
     return Worker(rank, proc, log_dir / f"rank{rank}.log")
 
 
-def _worker_env(rank: int, world_size: int, master_port: int,
+def _worker_env(rank: int, world_size: int, interface: str,
                 extra: dict[str, str] | None) -> dict[str, str]:
-    """The controller's environment, then ``extra``, then the torch.distributed variables.
+    """The controller's environment, then ``extra``, then the torch.distributed variables, with
+    gloo's and NCCL's sockets on the loopback ``interface`` (these win over ``extra``: every rank
+    is on this machine). There is no MASTER_ADDR/MASTER_PORT: the ranks meet in a file store.
     OMP_NUM_THREADS (torch's intra-op threads) defaults to an equal share of the CPU cores."""
     env = {**os.environ, **(extra or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     package_root = str(Path(__file__).resolve().parents[2])  # the rlkit this controller runs
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1")
+               LOCAL_WORLD_SIZE=str(world_size), GLOO_SOCKET_IFNAME=interface,
+               NCCL_SOCKET_IFNAME=interface, PYTHONUNBUFFERED="1")
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def loopback_interface() -> str:
+    """The name of this machine's loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and ipaddress.ip_address(a.address).is_loopback
+               for a in addresses):
+            return name
+    raise RuntimeError("this machine has no loopback network interface (127.0.0.1), which the "
+                       "local backend's gloo/NCCL sockets need")
 
 
 def _await_hellos(workers: list[Worker], listener: ControlListener, deadline: float,
@@ -157,8 +174,7 @@ def _await_ready(workers: list[Worker], deadline: float, output: OutputForwarder
                 worker.heartbeat = time.time()
                 pending.discard(worker.rank)
             elif msg[0] == "failed":
-                raise RemoteError([RankFailure(worker.rank, worker.host, "-", msg[1]["type"],
-                                               msg[1]["message"], msg[1]["traceback"])],
+                raise RemoteError([RankFailure.from_info(worker.rank, worker.host, "-", msg[1])],
                                   note="(while starting the workers)")
 
 
@@ -179,8 +195,9 @@ def receive(workers: list[Worker], timeout: float) -> list[tuple[Worker, tuple]]
     disconnected, and every other message is returned with its worker."""
     by_conn = {w.conn: w for w in workers
                if w.conn is not None and not w.conn.closed and not w.disconnected}
-    messages = []
-    for conn in wait(list(by_conn), timeout):
+    messages: list[tuple[Worker, tuple]] = []
+    for ready in wait(list(by_conn), timeout):
+        conn = cast(Connection, ready)
         worker = by_conn[conn]
         try:
             while conn.poll():

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
+import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlkit.runtime import local, transport
 from rlkit.runtime.channel import ControlListener
-from rlkit.runtime.errors import RankFailure, WorkerDied
+from rlkit.runtime.errors import WorkerDied, decode_reply
 from rlkit.runtime.logs import OutputForwarder
 
-Outcome = tuple[int, int, bool, Any]  # (rank, call_id, ok, result or RankFailure)
+Outcome = tuple[int, int, bool, Any]  # (rank, call_id, ok, result or errors.RankFailure)
 
 
 class LocalBackend:
@@ -38,11 +39,13 @@ class LocalBackend:
         self._early: list[Outcome] = []  # results that arrived while waiting for stacks
         self._listener = ControlListener()
         self.address: tuple[str, int] = self._listener.address
+        # Only this user can enter it (mode 0700): the process group's rendezvous file.
+        self._private_dir = Path(tempfile.mkdtemp(prefix=f"rlkit-{cluster_id}-"))
         try:
             self.device = local.start(
                 self._workers, self._listener, world_size=world_size, device=device,
                 timeout=timeout, log_dir=log_dir, env=env, shm_prefix=self._shm_prefix,
-                output=self.output)
+                private_dir=self._private_dir, output=self.output)
         except BaseException:
             self.stop()
             raise
@@ -63,10 +66,7 @@ class LocalBackend:
         self._loaded.clear()
         for worker, payload in zip(self._workers, payloads, strict=True):
             worker.busy = True
-            try:
-                worker.conn.send(("call", call_id, payload))
-            except OSError:
-                worker.disconnected = True
+            self._send(worker, ("call", call_id, payload))
 
     def poll(self, timeout: float) -> list[Outcome]:
         """Wait up to ``timeout`` s; the calls that finished, as ``(rank, call_id, ok, value)``."""
@@ -132,11 +132,13 @@ class LocalBackend:
                  "heartbeat": w.heartbeat, "rss_mb": w.rss_mb} for w in self._workers]
 
     def stop(self) -> None:
-        """Stop the workers, forward their last output, delete this cluster's shared-memory files."""
+        """Stop the workers, forward their last output, delete this cluster's shared-memory files
+        and private directory."""
         self._listener.close()
         local.stop(self._workers)
         self.output.join(timeout=2.0)
         self.output.release(None)
+        shutil.rmtree(self._private_dir, ignore_errors=True)
         for path in glob.glob(glob.escape(self._shm_prefix) + "*"):
             try:
                 os.unlink(path)
@@ -146,12 +148,4 @@ class LocalBackend:
 
 def _decode(worker: local.Worker, ok: bool, data: Any) -> Any:
     """A worker's reply: the loaded result, or a ``RankFailure``."""
-    if not ok:
-        return RankFailure(worker.rank, worker.host, worker.device, data["type"], data["message"],
-                           data["traceback"])
-    try:
-        return transport.loads(data)
-    except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
-        return RankFailure(worker.rank, worker.host, worker.device, type(exc).__name__,
-                           f"its result cannot be loaded in the controller: {exc}",
-                           traceback.format_exc())
+    return decode_reply(worker.rank, worker.host, worker.device, ok, data, transport.loads)

@@ -28,7 +28,6 @@ import torch
 
 from rlkit.runtime import transport
 from rlkit.runtime.core import WorkerCore, error_info, rss_mb
-from rlkit.runtime.logs import DONE_MARKER
 from rlkit.runtime.worker import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -128,25 +127,10 @@ class RayWorker:
 
     def call(self, call_id: int, data: bytes, refs: list[Any]) -> tuple[bool, Any, list[str]]:
         """Run one call: ``(ok, (pickle, buffers) or error info, output lines)``."""
-        ok, reply = self._execute(call_id, data, refs)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.write(1, f"{DONE_MARKER}{call_id}\n".encode())
+        ok, reply = self.core.execute(call_id, lambda: transport.loads(data, ray.get(refs)),
+                                      transport.OutOfBand().dumps)
         with self._send_lock:
             return ok, reply, self._output.new_lines()
-
-    def _execute(self, call_id: int, data: bytes, refs: list[Any]) -> tuple[bool, Any]:
-        try:
-            fn, args, kwargs = transport.loads(data, ray.get(refs))
-        except Exception as exc:  # noqa: BLE001 - reported to the controller
-            return False, error_info(exc, "the call cannot be loaded on the worker: ")
-        ok, result = self.core.run_call(call_id, fn, args, kwargs)
-        if not ok:
-            return False, result
-        try:
-            return True, transport.OutOfBand().dumps(result)
-        except Exception as exc:  # noqa: BLE001 - reported to the controller
-            return False, error_info(exc, "the function returned, but its result cannot be sent back: ")
 
     def _control(self) -> None:
         """Heartbeats, output and commands through the mailbox, until the process ends."""

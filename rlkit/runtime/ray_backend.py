@@ -33,7 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlkit.runtime import transport
-from rlkit.runtime.errors import RankFailure, RemoteError, WorkerDied
+from rlkit.runtime.errors import RankFailure, RemoteError, WorkerDied, decode_reply
 from rlkit.runtime.local import choose_device
 from rlkit.runtime.logs import OutputForwarder, tail
 from rlkit.runtime.ray_actor import Mailbox, RayWorker
@@ -65,7 +65,8 @@ class RayBackend:
         self._actors: list[Any] = []
         self._infos: list[dict[str, Any]] = []
         self._devices = ["-"] * world_size
-        self._pg = self._mailbox = None
+        self._pg: Any = None
+        self._mailbox: Any = None
         self._call_id = -1
         self._pending: dict[int, Any] = {}  # rank -> ObjectRef of its running call
         self._refs: list[Any] = []  # the running call's arguments in the object store
@@ -111,9 +112,7 @@ class RayBackend:
             [a.join.remote(c) for a, c in zip(self._actors, configs, strict=True)], deadline, "join the process group"
         )
         failures = [
-            RankFailure(r, self._infos[r]["host"], "-", e["type"], e["message"], e["traceback"])
-            for r, (ok, e) in enumerate(replies)
-            if not ok
+            RankFailure.from_info(r, self._infos[r]["host"], "-", e) for r, (ok, e) in enumerate(replies) if not ok
         ]
         if failures:
             raise RemoteError(failures, note="(while starting the workers)")
@@ -211,20 +210,9 @@ class RayBackend:
         return rank, self._call_id, ok, self._decode(rank, ok, reply)
 
     def _decode(self, rank: int, ok: bool, reply: Any) -> Any:
-        host, device = self._infos[rank]["host"], self._devices[rank]
-        if not ok:
-            return RankFailure(rank, host, device, reply["type"], reply["message"], reply["traceback"])
-        try:
-            return transport.loads(*reply)
-        except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
-            return RankFailure(
-                rank,
-                host,
-                device,
-                type(exc).__name__,
-                f"its result cannot be loaded in the controller: {exc}",
-                traceback.format_exc(),
-            )
+        return decode_reply(
+            rank, self._infos[rank]["host"], self._devices[rank], ok, reply, lambda packed: transport.loads(*packed)
+        )
 
     def _collect(self) -> None:
         """Heartbeats, output lines and stacks from the mailbox."""

@@ -109,8 +109,13 @@ class OutOfBand:
     def dumps(self, obj: Any) -> tuple[bytes, list[Any]]:
         """Pickle ``obj``; returns the pickle and the buffers it refers to, in order."""
         used: list[Any] = []
+
+        def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+            used.append(buffer.raw().obj)
+            return False  # False: the buffer is not written into the pickle
+
         buf = io.BytesIO()
-        _Pickler(buf, self, buffer_callback=lambda pb: used.append(pb.raw().obj) or False).dump(obj)
+        _Pickler(buf, self, buffer_callback=out_of_band).dump(obj)
         return buf.getvalue(), used
 
 

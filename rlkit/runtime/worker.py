@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from functools import partial
 from multiprocessing.connection import Client
 from typing import Any
 
@@ -30,7 +31,6 @@ from rlkit.runtime import transport
 from rlkit.runtime.channel import WorkerChannel, read_authkey
 from rlkit.runtime.context import WorkerContext
 from rlkit.runtime.core import WorkerCore, error_info, rss_mb
-from rlkit.runtime.logs import DONE_MARKER
 
 logger = logging.getLogger(__name__)
 
@@ -138,31 +138,28 @@ def _serve(channel: WorkerChannel, inbox: queue.SimpleQueue, core: WorkerCore,
         if msg[0] == "shutdown":
             return
         _, call_id, payload = msg
-        ok, reply = _execute(channel, core, call_id, payload, shm_prefix)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.write(1, f"{DONE_MARKER}{call_id}\n".encode())
+        ok, reply = core.execute(call_id, partial(_load, channel, call_id, payload),
+                                 partial(_dump, shm_prefix))
         channel.send(("result", call_id, ok, reply))
 
 
-def _execute(channel: WorkerChannel, core: WorkerCore, call_id: int, payload: bytes,
-             shm_prefix: str) -> tuple[bool, Any]:
-    """Run one call; (True, pickled result) or (False, error info)."""
+def _load(channel: WorkerChannel, call_id: int, payload: bytes) -> Any:
+    """The call ``(fn, args, kwargs)``; then tells the controller, which deletes the arguments'
+    files once every rank has mapped them."""
     try:
-        fn, args, kwargs = transport.loads(payload)
-    except Exception as exc:  # noqa: BLE001 - reported to the controller
-        return False, error_info(exc, "the call cannot be loaded on the worker: ")
+        return transport.loads(payload)
     finally:
         channel.send(("loaded", call_id))
-    ok, result = core.run_call(call_id, fn, args, kwargs)
-    if not ok:
-        return False, result
+
+
+def _dump(shm_prefix: str, result: Any) -> bytes:
+    """The pickled result; its tensors go into files the controller unlinks once it has mapped them."""
     files = transport.TensorFiles(shm_prefix, reader_unlinks=True)
     try:
-        return True, transport.dumps(result, files)
-    except Exception as exc:  # noqa: BLE001 - reported to the controller
+        return transport.dumps(result, files)
+    except BaseException:
         files.remove()
-        return False, error_info(exc, "the function returned, but its result cannot be sent back: ")
+        raise
 
 
 def _close_state(ctx: WorkerContext) -> None:
