@@ -1,16 +1,21 @@
-"""The loss's log-prob path alone: fp32 autograd over the whole vocabulary against the chunked one.
+"""The loss's LM head + log-prob path alone: fp32 autograd, the chunked log-softmax, the fused head.
 
 Figures, not a test.
 
-    python bench/logprob_loss.py [--rows 4096] [--vocab 151936] [--dtype bf16] [--repeats 3]
+    python bench/logprob_loss.py [--rows 16384] [--hidden 896] [--vocab 151936] [--dtype bf16] [--repeats 3]
 
-Both compute log softmax(logits / temperature) at the sampled tokens and the
-entropy (as a metric), then backpropagate a weighted sum: "fp32 autograd" is
-what the actor did before (upcast the whole [rows, V] tensor, log-softmax,
-entropy on a detached copy), "chunked" is :func:`rlkit.models.logprobs.sampled_logprobs`.
-Rows are response tokens of a micro-batch (64 sequences x 256 tokens = 16,384).
-Prints seconds per forward+backward (median), peak memory above the logits
-on CUDA, and the ratio chunked / fp32.
+Each way computes log softmax(hidden @ W.T / temperature) at the sampled tokens and the entropy,
+then backpropagates a weighted sum into ``hidden`` [rows, H] and ``W`` [V, H]:
+
+- "fp32 autograd": the LM head's [rows, V] logits, upcast whole, log-softmax, entropy on a detached copy
+  (what the actor did first);
+- "chunked": the same logits, then :func:`rlkit.models.logprobs.sampled_logprobs` (fp32 a chunk at a
+  time; it keeps the [rows, V] logits for backward);
+- "fused": :func:`rlkit.models.head.linear_logprobs` (logits a chunk at a time, recomputed in backward;
+  never [rows, V]).
+
+Rows are the response tokens of a micro-batch (64 sequences x 256 tokens = 16,384). Prints seconds
+per forward+backward (median), peak memory above the inputs on CUDA, and the ratios to "chunked".
 """
 
 from __future__ import annotations
@@ -22,33 +27,38 @@ import time
 import torch
 
 from rlkit.algos import entropy_from_logits
+from rlkit.models.head import linear_logprobs
 from rlkit.models.logprobs import sampled_logprobs, token_logprobs
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def fp32_autograd(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    scaled = logits.float() / temperature
+def fp32_autograd(hidden, weight, tokens, temperature):
+    scaled = (hidden @ weight.t()).float() / temperature
     entropy_from_logits(scaled.detach())
     return token_logprobs(scaled, tokens, 1.0)
 
 
-def chunked(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    return sampled_logprobs(logits, tokens, temperature)[0]
+def chunked(hidden, weight, tokens, temperature):
+    return sampled_logprobs((hidden @ weight.t())[:, None], tokens[:, None], temperature)[0]
 
 
-def measure(fn, logits: torch.Tensor, tokens: torch.Tensor, repeats: int) -> tuple[float, float]:
+def fused(hidden, weight, tokens, temperature):
+    return linear_logprobs(hidden, weight, tokens, temperature, entropy="detached")[:, 0]
+
+
+def measure(fn, hidden, weight, tokens, repeats: int) -> tuple[float, float]:
     """Median seconds of forward + backward, and peak MiB allocated above the inputs (CUDA; else nan)."""
-    cuda = logits.is_cuda
+    cuda = hidden.is_cuda
     times, peak = [], float("nan")
     for _ in range(repeats + 1):  # the first is a warm-up
-        leaf = logits.detach().requires_grad_()
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        fn(leaf, tokens, 0.7).sum().backward()
+        fn(h, w, tokens, 0.7).sum().backward()
         if cuda:
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -58,7 +68,8 @@ def measure(fn, logits: torch.Tensor, tokens: torch.Tensor, repeats: int) -> tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=4096, help="response tokens in the micro-batch")
+    parser.add_argument("--rows", type=int, default=16384, help="response tokens in the micro-batch")
+    parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--repeats", type=int, default=3)
@@ -66,16 +77,21 @@ def main() -> None:
     args = parser.parse_args()
 
     gen = torch.Generator(device=args.device).manual_seed(0)
-    logits = torch.randn(args.rows, args.vocab, generator=gen, device=args.device).to(DTYPES[args.dtype])
+    dtype = DTYPES[args.dtype]
+    hidden = torch.randn(args.rows, args.hidden, generator=gen, device=args.device).to(dtype)
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen, device=args.device) / args.hidden**0.5).to(dtype)
     tokens = torch.randint(0, args.vocab, (args.rows,), generator=gen, device=args.device)
-    print(f"log-prob loss path: {args.rows} rows x {args.vocab} vocabulary, {args.dtype} logits, {args.device}")
-    ways = {"fp32 autograd": fp32_autograd, "chunked": chunked}
-    results = {name: measure(fn, logits, tokens, args.repeats) for name, fn in ways.items()}
+    print(f"LM head + log-prob: {args.rows} rows x {args.hidden} hidden x {args.vocab} vocabulary, "
+          f"{args.dtype}, {args.device}")
+    ways = {"fp32 autograd": fp32_autograd, "chunked": chunked, "fused": fused}
+    results = {name: measure(fn, hidden, weight, tokens, args.repeats) for name, fn in ways.items()}
     for name, (seconds, peak) in results.items():
-        print(f"  {name:<14} {seconds:8.3f} s   peak above logits {peak:9.0f} MiB")
-    (old, old_peak), (new, new_peak) = results["fp32 autograd"], results["chunked"]
-    memory = f", peak memory {new_peak / old_peak:.2f}" if logits.is_cuda else " (memory is measured on CUDA only)"
-    print(f"  chunked / fp32 autograd: time {new / old:.2f}{memory}")
+        print(f"  {name:<14} {seconds:8.3f} s   peak above inputs {peak:9.0f} MiB")
+    base, base_peak = results["chunked"]
+    for name in ("fp32 autograd", "fused"):
+        seconds, peak = results[name]
+        memory = f", peak memory {peak / base_peak:.2f}" if hidden.is_cuda else " (memory is measured on CUDA only)"
+        print(f"  {name} / chunked: time {seconds / base:.2f}{memory}")
 
 
 if __name__ == "__main__":

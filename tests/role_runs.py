@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-TINY_GRAD = 1e-7
-"""Gradient entries below this are at the level of float noise, where AdamW's first step (about
-lr * g / (|g| + eps), eps = 1e-8) can take either sign: such entries are held to within 2 * lr."""
+TINY_GRAD = 1e-6
+"""Gradient entries below this (before clipping, which scales them down further) are within a few
+hundred float-noise units of AdamW's eps = 1e-8, where its first step (about lr * g / (|g| + eps))
+turns a change in the order of a reduction (packed vs padded rows, micro-batch splits) into a visible
+change of the weight, or of its sign: such entries are held to within 2 * lr."""
 
 
 def assert_adam_step_matches(

@@ -78,7 +78,8 @@ def reference_update() -> Reference:
     """Plain PyTorch: one model, the whole batch, token-mean loss, clipped norm, one AdamW step."""
     model, batch = small_model(), make_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    logp = response_logprobs(model, batch["input_ids"], batch["attention_mask"], WIDTH, 1.0)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logp, _ = response_logprobs(model, ids, mask, response_width=WIDTH, temperature=1.0)
     per_token, _ = clipped_policy_loss(logp, batch["old_logprobs"], batch["advantages"], CLIP)
     per_token = per_token + KL * kl_estimate(logp, batch["ref_logprobs"], "k3")
     mask = batch["response_mask"]

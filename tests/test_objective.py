@@ -162,9 +162,9 @@ def critic_reference(model_dir) -> tuple[torch.Tensor, float, dict[str, torch.Te
     model = load_value_model(model_dir, dtype=torch.float32, device=torch.device("cpu"))
     batch = make_batch()
     with torch.no_grad():
-        rollout_values = response_values(model, batch["input_ids"], batch["attention_mask"], WIDTH)
+        rollout_values = response_values(model, batch["input_ids"], batch["attention_mask"], response_width=WIDTH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    values = response_values(model, batch["input_ids"], batch["attention_mask"], WIDTH)
+    values = response_values(model, batch["input_ids"], batch["attention_mask"], response_width=WIDTH)
     per_token, _ = clipped_value_loss(values, batch["values"], batch["returns"], 0.1)
     loss = aggregate_loss(per_token, batch["response_mask"], "token-mean")
     loss.backward()

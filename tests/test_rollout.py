@@ -31,7 +31,8 @@ def forward_logprobs(model, ids, mask, gen, n: int, temperature: float) -> torch
     input_ids = torch.cat([ids.repeat_interleave(n, 0), gen.response_ids], 1)
     attention_mask = torch.cat([mask.repeat_interleave(n, 0), gen.response_mask.long()], 1)
     with torch.no_grad():
-        return response_logprobs(model, input_ids, attention_mask, gen.response_ids.shape[1], temperature)
+        width = gen.response_ids.shape[1]
+        return response_logprobs(model, input_ids, attention_mask, response_width=width, temperature=temperature)[0]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

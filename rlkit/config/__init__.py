@@ -17,6 +17,7 @@ from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
 from rlkit.config.readers import config_from_dict, config_from_toml
 from rlkit.config.run import RLConfig
 from rlkit.config.sections import (
+    ATTN_IMPLEMENTATIONS,
     ENGINES,
     SHARDING,
     CheckpointConfig,
@@ -28,6 +29,7 @@ from rlkit.config.sections import (
 )
 
 __all__ = [
+    "ATTN_IMPLEMENTATIONS",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",

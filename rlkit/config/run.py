@@ -15,11 +15,13 @@ from rlkit.config.checks import ConfigError, need
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import (
+    ATTN_IMPLEMENTATIONS,
     CheckpointConfig,
     FSDPConfig,
     OptimConfig,
     RewardModelConfig,
     RolloutConfig,
+    attention_problems,
 )
 from rlkit.config.tables import convert_tables, from_table
 
@@ -121,6 +123,13 @@ class RLConfig:
     informative groups collected so far (the history counts the rounds and the groups kept)."""
     trust_remote_code: bool = False
     """Allow a model directory's own Python code to run (off: nothing runs that rlkit did not ask for)."""
+    padding_free: bool = True
+    """Pack each micro-batch's sequences into one row (position ids restarting per sequence) so that padding is
+    never computed, and run the LM head on response tokens only (actor, reference and critic). Models of
+    families rlkit cannot pack (rlkit.models.packing.PACKABLE_MODEL_TYPES, no sliding windows) keep padded rows."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel: "sdpa" (PyTorch's; packed rows take torch's varlen flash kernel on GPU),
+    "flash_attention_2" (needs flash-attn, GPU) or "flex_attention" (GPU; block-sparse document mask)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation settings; a string is short for ``RolloutConfig(engine=...)``, e.g. ``rollout="vllm"``."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -211,6 +220,11 @@ class RLConfig:
             f"kl_clamp={self.kl_clamp}: must be > 0 (e.g. 10), or None for no clamp",
         )
         need(p, self.kl_mode in ("loss", "reward"), f'kl_mode="{self.kl_mode}": use "loss" or "reward"')
+        need(
+            p,
+            self.attn_implementation in ATTN_IMPLEMENTATIONS,
+            f'attn_implementation="{self.attn_implementation}": use one of {ATTN_IMPLEMENTATIONS}',
+        )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
@@ -276,6 +290,7 @@ class RLConfig:
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
         """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
         p: list[str] = self.fsdp.cluster_problems(world_size, device) + self.rollout.cluster_problems()
+        p += attention_problems(self.attn_implementation, device)
         p += tracker_install_problems(self.trackers) + torch_companion_problems()
         if self.prompts_per_step % world_size:
             p.append(

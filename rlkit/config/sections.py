@@ -136,6 +136,30 @@ class RolloutConfig:
 ENGINES = ("hf", "vllm")
 SLEEP_MODES = ("auto", "always", "never")
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flex_attention")
+"""Values of RLConfig.attn_implementation (see rlkit.models.attention for what each does with packed rows)."""
+
+
+def attention_problems(attn_implementation: str, device: str, prefix: str = "attn_implementation") -> list[str]:
+    """What stops ``attn_implementation`` from training on ``device`` ("cpu" or "cuda"), each with the fix."""
+    name = f'{prefix}="{attn_implementation}"'
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        return [f"{name}: use one of {ATTN_IMPLEMENTATIONS}"]
+    p: list[str] = []
+    if attn_implementation == "flash_attention_2":
+        need(p, device == "cuda", f'{name} needs CUDA GPUs: use "sdpa" on CPU')
+        need(
+            p,
+            device != "cuda" or importlib.util.find_spec("flash_attn") is not None,
+            f'{name} but flash-attn is not installed: pip install flash-attn, or use "sdpa"',
+        )
+    need(
+        p,
+        not (attn_implementation == "flex_attention" and device == "cpu"),
+        f'{name} on CPU: torch has no flex attention backward on CPU; use "sdpa"',
+    )
+    return p
+
 
 @dataclass(kw_only=True)
 class FSDPConfig:
@@ -158,6 +182,13 @@ class FSDPConfig:
     """FSDP1's backward prefetch: "pre", "post" or "none" (FSDP2 always prefetches the next layer: only "pre")."""
     cpu_offload: bool = False
     """Keep parameters, gradients and optimizer state on the CPU between uses (GPU only)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic):
+    activation memory drops from one set per layer to one layer's, for about a third more compute."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer's forward (after activation checkpointing, before sharding, as
+    torchtitan orders them) and the fused LM head's per-chunk softmax math; the first steps pay the
+    compile time (and a recompile or two as packed lengths vary). FSDP2 only."""
 
     def problems(self, prefix: str = "fsdp") -> list[str]:
         p: list[str] = []
@@ -180,6 +211,11 @@ class FSDPConfig:
             p,
             self.backward_prefetch in prefetch,
             f'{prefix}.backward_prefetch="{self.backward_prefetch}": with version={self.version} use one of {prefetch}',
+        )
+        need(
+            p,
+            not (self.compile and self.version == 1),
+            f"{prefix}.compile=True with version=1: compiled layers are supported with FSDP2; set version=2",
         )
         return p
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import torch
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from rlkit.config import FSDPConfig
+from rlkit.models.head import response_head
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -46,18 +51,22 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     ``config.reduce_dtype``. Gradients are SUMMED over ranks, not averaged (FSDP's
     default): rlkit's loss weights already divide by the whole batch's token or
     sequence count over all ranks, so the sum is the gradient of the whole batch's
-    loss. Build the optimizer after this call.
+    loss. Each decoder layer is, in this order (torchtitan's), checkpointed
+    (``config.activation_checkpointing``), compiled (``config.compile``; a fused
+    :class:`~rlkit.models.head.ResponseHead` compiles its chunk math too) and
+    sharded; parameter names do not change. Build the optimizer after this call.
     """
     if config.version == 1:
         return _apply_fsdp1(model, mesh, config)
     compute = param_dtype(config, mesh.device_type)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
         reshard_after_forward=config.reshard_after_forward,
     )
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    _prepare_layers(model, config)
     units = [fully_shard(layer, **kwargs) for layer in decoder_layers(model)] + [fully_shard(model, **kwargs)]
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
@@ -65,7 +74,25 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     return model
 
 
+def _prepare_layers(model: torch.nn.Module, config: FSDPConfig) -> None:
+    """Before FSDP2 wraps them: checkpoint and compile each decoder layer, and the fused head's chunk math."""
+    for layer in decoder_layers(model):
+        if config.activation_checkpointing:
+            checkpoint(layer)  # composable: forward hooks, the module tree and names stay as they are
+        if config.compile:
+            # the forward only: FSDP's and the checkpoint's hooks stay outside the compiled code
+            layer.forward = torch.compile(layer.forward)
+    head = response_head(model)
+    if config.compile and head is not None:
+        head.compile_chunk_math()
+
+
 def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> torch.nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -80,9 +107,10 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     }[config.sharding]
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
     device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    layer_types = tuple({type(layer) for layer in decoder_layers(model)})
     wrapped = FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in decoder_layers(model)}),
+        auto_wrap_policy=ModuleWrapPolicy(set(layer_types)),
         sharding_strategy=strategy,
         mixed_precision=MixedPrecision(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
         backward_prefetch=prefetch[config.backward_prefetch],
@@ -95,4 +123,10 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
         # FSDP1 has no public setting for this: its gradient reduction divides by these two factors
         unit._gradient_predivide_factor = 1
         unit._gradient_postdivide_factor = 1
+    if config.activation_checkpointing:  # after wrapping; names gain _checkpoint_wrapped_module (see clean_name)
+        apply_activation_checkpointing(
+            wrapped,
+            checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda module: isinstance(module, layer_types),
+        )
     return wrapped

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from rlkit.models.attention import hf_attn_implementation
+from rlkit.models.head import install_response_head
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -34,16 +38,32 @@ def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False):
     return tok
 
 
-def load_causal_lm(model_dir: Path, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
-    """A causal LM in ``dtype`` on ``device``, in train mode with dropout off (RL wants deterministic log-probs)."""
+def load_causal_lm(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+):
+    """A causal LM in ``dtype`` on ``device``, in train mode with dropout off (RL wants deterministic log-probs).
+
+    ``attn_implementation`` is rlkit's setting (rlkit.models.attention). Families rlkit can fuse get a
+    :class:`~rlkit.models.head.ResponseHead` as their ``lm_head`` (same weight; plain logits unless asked).
+    """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        local_files_only=True,
+        attn_implementation=hf_attn_implementation(attn_implementation),
     )
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    install_response_head(model)
     return model.to(device)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from rlkit.algos.losses import entropy_from_logits
+from rlkit.models.head import response_head
+from rlkit.models.packing import pack_rows, response_slots
+
 CHUNK_ELEMENTS = 1 << 27
 """Logit entries per fp32 chunk in :func:`sampled_logprobs` (512 MiB): rows = CHUNK_ELEMENTS // V."""
 
@@ -23,7 +27,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 def response_logits(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int
 ) -> torch.Tensor:
-    """[B, T, V] logits that predict the last ``response_width`` tokens of each row (model dtype).
+    """[B, T, V] logits that predict the last ``response_width`` tokens of each row (model dtype), padded rows.
 
     Args:
         input_ids: [B, P + T] prompt (left-padded) then response (right-padded).
@@ -35,6 +39,7 @@ def response_logits(
         attention_mask=attention_mask,
         position_ids=position_ids_for(attention_mask),
         logits_to_keep=response_width + 1,  # the LM head runs on the response positions only
+        use_cache=False,
     )
     return out.logits[:, :-1]
 
@@ -43,22 +48,73 @@ def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
+    *,
     response_width: int,
     temperature: float,
-) -> torch.Tensor:
-    """Log-probs of the last ``response_width`` tokens of each row.
+    padding_free: bool = False,
+    entropy: str = "none",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the last ``response_width`` tokens of each row under ``model``.
+
+    The actor's forward for the loss (call under grad) and for scoring (under no_grad). With a
+    :class:`~rlkit.models.head.ResponseHead` (see :func:`~rlkit.models.head.install_response_head`) the
+    LM head and log-softmax run fused, on the real response tokens only; ``padding_free`` then packs the
+    rows into one (see :mod:`rlkit.models.packing`). Other models take the plain path: padded rows,
+    [B, T, V] logits, chunked log-softmax.
 
     Args:
         input_ids: [B, P + T] prompt (left-padded) then response (right-padded).
-        attention_mask: [B, P + T].
+        attention_mask: [B, P + T], 1 on real tokens; the response mask is its last T columns.
         response_width: T.
         temperature: the sampling temperature the rollout used.
-
+        padding_free: pack the rows (needs a ResponseHead model of a family in PACKABLE_MODEL_TYPES).
+        entropy: "none" (None returned), "detached" (a metric) or "grad" (for an entropy bonus).
     Returns:
-        [B, T] float32; positions past a response's end hold garbage and must be masked.
+        [B, T] float32 log-probs and [B, T] float32 entropies or None; 0 at padded response positions.
     """
+    head = response_head(model)
+    if head is None:
+        if padding_free:
+            raise ValueError(
+                f"padding_free=True needs the fused response head: {type(model).__name__} has none "
+                "(install_response_head accepts the families of rlkit.models.packing.PACKABLE_MODEL_TYPES); "
+                "set padding_free=False"
+            )
+        return _plain_logprobs(model, input_ids, attention_mask, response_width, temperature, entropy)
+    mask = attention_mask.to("cpu")
+    packed = pack_rows(input_ids, mask) if padding_free else None
+    slots = response_slots(input_ids, mask, response_width, packed)
+    with head.scoring(slots.rows, slots.tokens, temperature, entropy):
+        out = model(**(packed.model_kwargs() if packed else _padded_kwargs(input_ids, attention_mask))).logits
+    entropies = None if entropy == "none" else slots.scatter(out[:, 1] if entropy == "grad" else out[:, 1].detach())
+    return slots.scatter(out[:, 0]), entropies
+
+
+def _padded_kwargs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, object]:
+    """A transformers forward over padded rows, all positions kept (the head picks the response's rows)."""
+    position_ids = position_ids_for(attention_mask)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+
+
+def _plain_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    temperature: float,
+    entropy: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_logprobs` for models without a ResponseHead: [B, T, V] logits, then the log-softmax."""
     logits = response_logits(model, input_ids, attention_mask, response_width)
-    return sampled_logprobs(logits, input_ids[:, -response_width:], temperature)[0]
+    tokens = input_ids[:, -response_width:]
+    mask = attention_mask[:, -response_width:].bool()
+    if entropy == "grad":  # the bonus needs the entropy's gradient: plain autograd over fp32 logits
+        scaled = logits.float() / temperature
+        logprobs, entropies = token_logprobs(scaled, tokens, 1.0), entropy_from_logits(scaled)
+    else:
+        logprobs, entropies = sampled_logprobs(logits, tokens, temperature)
+    logprobs = logprobs.masked_fill(~mask, 0.0)
+    return logprobs, None if entropy == "none" else entropies.masked_fill(~mask, 0.0)
 
 
 def sampled_logprobs(

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
+from rlkit.models.attention import hf_attn_implementation
 from rlkit.models.logprobs import position_ids_for
+from rlkit.models.packing import pack_rows, response_slots
 
 
 def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -16,7 +18,14 @@ def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def load_value_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+def load_value_model(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+):
     """A causal LM's backbone with a fresh linear head giving one value per token (AutoModelForTokenClassification,
     num_labels=1), dropout off. Seed the RNG first: every rank must draw the same head."""
     from transformers import AutoModelForTokenClassification
@@ -27,7 +36,12 @@ def load_value_model(model_dir: Path, *, dtype: torch.dtype, device: torch.devic
     hf_logging.set_verbosity_error()  # the head is missing from a causal LM's checkpoint by design: no load report
     try:
         model = AutoModelForTokenClassification.from_pretrained(
-            model_dir, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True
+            model_dir,
+            num_labels=1,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            local_files_only=True,
+            attn_implementation=hf_attn_implementation(attn_implementation),
         )
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -35,18 +49,32 @@ def load_value_model(model_dir: Path, *, dtype: torch.dtype, device: torch.devic
 
 
 def response_values(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    response_width: int,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """V(s_t) for each response token t, read at the position before it (as the policy's logits are).
 
     Args:
         input_ids, attention_mask: [B, P + T] prompt (left-padded) then response (right-padded).
         response_width: T.
+        padding_free: pack the rows into one (a family of rlkit.models.packing.PACKABLE_MODEL_TYPES).
     Returns:
-        [B, T] float32; positions past a response's end hold garbage and must be masked.
+        [B, T] float32, 0 at padded response positions; differentiable when called under grad.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
-    return out.logits[:, -response_width - 1 : -1, 0].float()
+    mask = attention_mask.to("cpu")
+    if padding_free:
+        packed = pack_rows(input_ids, mask)
+        slots = response_slots(input_ids, mask, response_width, packed)
+        out = model(**packed.model_kwargs())
+    else:
+        slots = response_slots(input_ids, mask, response_width)
+        position_ids = position_ids_for(attention_mask)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return slots.scatter(out.logits.reshape(-1).index_select(0, slots.rows).float())
 
 
 def load_reward_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
@@ -68,5 +96,6 @@ def load_reward_model(model_dir: Path, *, dtype: torch.dtype, device: torch.devi
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B] float32 scores of left-padded sequences [B, L] (the model reads its head at the last token)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
+    position_ids = position_ids_for(attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.logits[:, 0].float()

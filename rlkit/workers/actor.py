@@ -8,6 +8,7 @@ the controller reads (``inspect``, ``memory_marks``, ``grad_report``) and the ac
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,13 +36,19 @@ class ActorRole(Role):
         optimizer_steps: int,
         reference: bool,
         trust_remote_code: bool,
+        attn_implementation: str = "sdpa",
     ):
         ctx = context()
         self.model_dir = Path(model_dir)
         self.device, self.rank, self.world_size = ctx.device, ctx.rank, ctx.world_size
         torch.manual_seed(seed)
         mesh = build_mesh(self.device.type, ctx.world_size, fsdp)
-        load = dict(dtype=torch.float32, device=self.device, trust_remote_code=trust_remote_code)
+        load: dict[str, Any] = dict(
+            dtype=torch.float32,
+            device=self.device,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
         self.actor = TrainedModel.build(load_causal_lm(self.model_dir, **load), mesh, fsdp, optim, optimizer_steps)
         self.reference: torch.nn.Module | None = None
         if reference:

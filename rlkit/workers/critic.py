@@ -15,6 +15,7 @@ from rlkit import diagnostics
 from rlkit.algos import Mean, loss_weights, value_objective
 from rlkit.config import PPOConfig
 from rlkit.fsdp import build_mesh, clip_grad_norm
+from rlkit.models.packing import can_pack
 from rlkit.models.value import load_value_model, response_values
 from rlkit.runtime import Role, context
 from rlkit.workers.batches import CriticRows, global_counts, micro_batches, mini_batches
@@ -33,8 +34,13 @@ class CriticWorker(Role):
         self.rank, self.world_size = ctx.rank, ctx.world_size
         torch.manual_seed(config.seed)  # the new value head must be the same on every rank
         model = load_value_model(
-            Path(model_dir), dtype=torch.float32, device=ctx.device, trust_remote_code=config.trust_remote_code
+            Path(model_dir),
+            dtype=torch.float32,
+            device=ctx.device,
+            trust_remote_code=config.trust_remote_code,
+            attn_implementation=config.attn_implementation,
         )
+        self.padding_free = config.padding_free and can_pack(model)
         mesh = build_mesh(ctx.device.type, ctx.world_size, config.fsdp)
         optimizer_steps = config.steps * config.ppo_epochs * config.mini_batches
         self.critic = TrainedModel.build(model, mesh, config.fsdp, config.critic.optim, optimizer_steps)
@@ -92,7 +98,13 @@ class CriticWorker(Role):
             # the head is a Linear with bias, whose output on [B, L, H] is a view; FSDP2 warns against
             # in-place ops on it, and none are done here
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            return response_values(self.critic.model, input_ids, attention_mask, self.config.rollout.max_new_tokens)
+            return response_values(
+                self.critic.model,
+                input_ids,
+                attention_mask,
+                response_width=self.config.rollout.max_new_tokens,
+                padding_free=self.padding_free,
+            )
 
     def save(self, directory: str) -> None:
         """This rank's shards of the critic and its optimizer, and its schedule."""

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from rlkit import diagnostics
-from rlkit.algos import Mean, PolicyLossFn, PolicyObjective, entropy_from_logits, loss_weights, policy_objective
+from rlkit.algos import Mean, PolicyLossFn, PolicyObjective, loss_weights, policy_objective
 from rlkit.config import RLConfig
 from rlkit.fsdp import clip_grad_norm, iter_full_params, param_dtype
 from rlkit.models import load_tokenizer
-from rlkit.models.logprobs import response_logits, response_logprobs, sampled_logprobs, token_logprobs
+from rlkit.models.logprobs import response_logprobs
+from rlkit.models.packing import can_pack
 from rlkit.rollout import SamplingParams, build_engine
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.batches import PolicyRows, global_counts, micro_batches, mini_batches
@@ -41,6 +42,7 @@ class PolicyWorker(ActorRole):
             optimizer_steps=config.steps * config.ppo_epochs * config.mini_batches,
             reference=config.kl_coef > 0,
             trust_remote_code=config.trust_remote_code,
+            attn_implementation=config.attn_implementation,
         )
         self.config = config
         tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
@@ -204,13 +206,18 @@ class PolicyWorker(ActorRole):
     def _new_logprobs(self, micro: PolicyRows) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, T] log-probs of the sampled tokens under the actor (with grad) and the sampling entropy
         (with grad only when the loss has an entropy bonus)."""
-        width, temperature = self.config.rollout.max_new_tokens, self.config.rollout.temperature
-        logits = response_logits(self.actor.model, micro.input_ids, micro.attention_mask, width)
-        tokens = micro.input_ids[:, -width:]
-        if self.config.entropy_coef > 0:  # the bonus needs the entropy's gradient: plain autograd over fp32 logits
-            scaled = logits.float() / temperature
-            return token_logprobs(scaled, tokens, 1.0), entropy_from_logits(scaled)
-        return sampled_logprobs(logits, tokens, temperature)
+        cfg = self.config
+        logprobs, entropy = response_logprobs(
+            self.actor.model,
+            micro.input_ids,
+            micro.attention_mask,
+            response_width=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            padding_free=cfg.padding_free and can_pack(self.actor.model),
+            entropy="grad" if cfg.entropy_coef > 0 else "detached",  # the bonus needs the entropy's gradient
+        )
+        assert entropy is not None
+        return logprobs, entropy
 
     @torch.no_grad()
     def _scored_logprobs(
@@ -218,11 +225,16 @@ class PolicyWorker(ActorRole):
     ) -> torch.Tensor:
         """[B, T] response log-probs under ``model`` in micro-batches of ``micro_batch_size`` rows, no grad."""
         cfg = self.config
-        micro, width = cfg.micro_batch_size, cfg.rollout.max_new_tokens
+        micro = cfg.micro_batch_size
         parts = [
             response_logprobs(
-                model, input_ids[i : i + micro], attention_mask[i : i + micro], width, cfg.rollout.temperature
-            )
+                model,
+                input_ids[i : i + micro],
+                attention_mask[i : i + micro],
+                response_width=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature,
+                padding_free=cfg.padding_free and can_pack(model),
+            )[0]
             for i in range(0, input_ids.shape[0], micro)
         ]
         return torch.cat(parts)
