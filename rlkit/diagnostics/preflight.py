@@ -22,13 +22,9 @@ if TYPE_CHECKING:
 
 def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: float) -> MemorySetting:
     """The estimate's knobs from a GRPOConfig / PPOConfig on a GPU cluster (param_dtype "auto" is bf16 there).
-
-    Settings being added (padding_free, attn_implementation, fsdp.activation_checkpointing) are read with
-    their defaults until they exist.
     """
     fsdp, rollout = config.fsdp, config.rollout
-    padding_free = bool(getattr(config, "padding_free", False))
-    attention = getattr(config, "attn_implementation", "sdpa")
+    padding_free, attention = config.padding_free, config.attn_implementation
     return MemorySetting(
         device_memory_gib=device_memory_gib,
         world_size=world_size,
@@ -38,7 +34,7 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         reduce_dtype=fsdp.reduce_dtype,
         reshard_after_forward=fsdp.reshard_after_forward,
         cpu_offload=fsdp.cpu_offload,
-        activation_checkpointing=bool(getattr(fsdp, "activation_checkpointing", False)),
+        activation_checkpointing=fsdp.activation_checkpointing,
         prompt_tokens=rollout.max_prompt_tokens,
         response_tokens=rollout.max_new_tokens,
         samples_per_step=config.samples_per_step,
