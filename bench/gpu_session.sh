@@ -80,26 +80,22 @@ r1() {
     --label rlkit-vllm --json "$RAW/r1/rlkit-1.5b-vllm.json"
 }
 
-r2() {
-  if [ -d /tmp/site-verl/verl ]; then
-    item verl-0.5b 240 env PYTHONPATH="$VERL_PATH" python3 bench/verl_grpo.py --root "$MODELS" --shape 0.5b \
-      --steps 4 --label verl --json "$RAW/r2/verl-0.5b.json"
-  else
-    echo "=== verl not installed (T5, T6 not made): skipped"
-  fi
-  item trl-1.5b-hf 90 "${TRL[@]}" --shape 1.5b --steps 3 --label trl-hf --json "$RAW/r2/trl-1.5b-hf.json"
+r2() {  # the GPU tests at this commit, TRL's 1.5B step, issue 15's variable lengths (padded vs packed)
   item gpu-tests 200 python3 -m pytest -x -q tests/test_gpu.py
-  item sync-breakdown-0.5b 90 python3 bench/rollout_throughput.py --device cuda --shape 0.5b --engines vllm \
-    --engine-logprobs 0.125 --root "$MODELS" --label sync-breakdown --json "$RAW/r2/sync-0.5b.json"
-  item rlkit-0.5b-hf 100 "${GRPO[@]}" --shape 0.5b --engine hf --steps 3 --label rlkit-hf --json "$RAW/r2/rlkit-0.5b-hf.json"
+  item trl-1.5b-hf 90 "${TRL[@]}" --shape 1.5b --steps 3 --label trl-hf --json "$RAW/r2/trl-1.5b-hf.json"
+  item rlkit-varlen-packed 130 "${GRPO[@]}" --shape 0.5b --lengths varlen --steps 3 --set "$PADDING_FREE=true" \
+    --label rlkit-varlen-packed --json "$RAW/r2/rlkit-varlen-packed.json"
+  item rlkit-varlen-padded 150 "${GRPO[@]}" --shape 0.5b --lengths varlen --steps 3 --set "$PADDING_FREE=false" \
+    --label rlkit-varlen-padded --json "$RAW/r2/rlkit-varlen-padded.json"
+}
+
+verl() {  # verl's GRPO (needs T5, T6)
+  item verl-0.5b 240 env PYTHONPATH="$VERL_PATH" python3 bench/verl_grpo.py --root "$MODELS" --shape 0.5b \
+    --steps 4 --label verl --json "$RAW/verl/verl-0.5b.json"
 }
 
 r3() {
   [ -d /tmp/site/vllm ] || install || return 1
-  item rlkit-varlen-padded 150 "${GRPO[@]}" --shape 0.5b --lengths varlen --steps 3 --set "$PADDING_FREE=false" \
-    --label rlkit-varlen-padded --json "$RAW/r3/rlkit-varlen-padded.json"
-  item rlkit-varlen-packed 130 "${GRPO[@]}" --shape 0.5b --lengths varlen --steps 3 --set "$PADDING_FREE=true" \
-    --label rlkit-varlen-packed --json "$RAW/r3/rlkit-varlen-packed.json"
   item trl-varlen-vllm 150 "${TRL[@]}" --shape 0.5b --lengths varlen --steps 3 --vllm \
     --label trl-varlen-vllm --json "$RAW/r3/trl-varlen-vllm.json"
   item rlkit-0.5b-offload 110 "${GRPO[@]}" --shape 0.5b --engine vllm --steps 3 --set fsdp.cpu_offload=true \
@@ -120,7 +116,11 @@ case "${1:-}" in
   fetch)  # a transfer call: keep the carried folder for the call that installs
     if [[ $2 == verl/* ]]; then mkdir -p "/tmp/$2" && cp -r .whl/"$2"/. "/tmp/$2/"; else mkdir -p /tmp/vp && cp .whl/"$2"/part* /tmp/vp/; fi
     du -sh /tmp/vp /tmp/verl/* 2>/dev/null ;;
-  r1|r2|r3|r4)
+  smoke)  # the first call: rlkit's GPU paths that need no vLLM, before the wheels are all carried
+    mkdir -p /tmp/vp && cp .whl/vllm/c0/part* /tmp/vp/
+    python3 -m pytest -x -q tests/test_packing_gpu.py "tests/test_gpu.py::test_trainer_steps_on_gpus" \
+      tests/test_runtime_memory.py -k "cuda or packed or bf16 or compiled or trainer" 2>&1 | tail -30 ;;
+  r1|r2|r3|r4|verl)
     mkdir -p "$OUT" "$RAW/$1"
     "$1" 2>&1 | tee "$OUT/$1.log"
     finish "$1" 2>&1 | tee -a "$OUT/$1.log" ;;
