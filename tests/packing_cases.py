@@ -37,6 +37,6 @@ def weighted_loss(
     """A loss weighing every response token differently (so a token moved or dropped changes it), over
     the batch's ``rows`` and normalised by the whole batch's response tokens (so ranks' losses add up)."""
     on = mask[:, -WIDTH:].float()
-    weights = (torch.linspace(-1.0, 2.0, on.numel()).view_as(on) * on) / on.sum()
+    weights = (torch.linspace(-1.0, 2.0, on.numel(), device=on.device).view_as(on) * on) / on.sum()
     loss = (weights[rows] * logprobs).sum()
     return loss if entropy is None else loss - 0.3 * (weights[rows] * entropy).sum()
