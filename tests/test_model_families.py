@@ -32,8 +32,9 @@ VLLM_REJECTS = {"gemma2-untied": "untied"}
 """Variants vLLM cannot run, and a word the family check's reason must contain."""
 SAME = 1e-4
 """fp32 log-probs of one model from two code paths agree to ~1e-6 (nats per token)."""
-BF16_SAME = 0.1
-"""A bf16 engine and a bf16-compute actor differ by ~1e-2 per token (the GPU test)."""
+BF16_MEAN_GAP = 0.05
+"""A bf16 engine and a bf16-compute actor differ by ~1e-2 per token on average (the GPU test); a sync that did
+not take leaves ~0.16 on these models (measured with an hf engine whose load_weights did nothing)."""
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 
@@ -87,10 +88,12 @@ def plain_logprobs(model_dir: Path, batch: Batch) -> torch.Tensor:
     return logp.gather(-1, batch.input_ids[:, -width:, None]).squeeze(-1) * batch.response_mask
 
 
-def engine_gap_by_rank(batch: Batch) -> list[float]:
-    """Largest |actor - engine| log-prob of a sampled token, per rank (each rank's engine is its own copy)."""
+def engine_gap_by_rank(batch: Batch, *, mean: bool = False) -> list[float]:
+    """Largest (or mean) |actor - engine| log-prob of a sampled token, per rank (each rank's engine is its own copy)."""
     assert batch.logprobs is not None  # recompute_logprobs (the default) scores every rollout with the actor
     gap = (batch.logprobs - batch.rollout_logprobs).abs() * batch.response_mask
+    if mean:
+        return [(gap[batch.rank == r].sum() / batch.response_mask[batch.rank == r].sum()).item() for r in range(2)]
     return [gap[batch.rank == r].max().item() for r in range(2)]
 
 
@@ -269,12 +272,12 @@ def test_every_family_on_gpu(family_dirs, engine):
                     rlkit.Trainer(gpus, grpo(family_dirs[name], engine), reward_fn=scrambled_reward, prompts=PROMPTS)
                 continue
             try:
-                cfg = grpo(family_dirs[name], engine, gap=BF16_SAME)
+                cfg = grpo(family_dirs[name], engine, gap=BF16_MEAN_GAP)
                 trainer = rlkit.Trainer(gpus, cfg, reward_fn=scrambled_reward, prompts=PROMPTS)
                 trainer.step()
-                gaps = engine_gap_by_rank(trainer.rollout())
-                if max(gaps) > BF16_SAME:
-                    failures[name] = f"log-prob gap per rank {gaps}"
+                gaps = engine_gap_by_rank(trainer.rollout(), mean=True)
+                if max(gaps) > BF16_MEAN_GAP:
+                    failures[name] = f"mean log-prob gap per rank {gaps}"
             except Exception as exc:  # noqa: BLE001 - collected for the matrix, re-raised below
                 failures[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
     assert not failures, "\n".join(f"{n}: {why}" for n, why in failures.items())
