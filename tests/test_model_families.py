@@ -217,9 +217,10 @@ from .configuration_plain import PlainConfig
 
 
 class PlainForCausalLM(PreTrainedModel, GenerationMixin):
-    """A user's own model: a list of blocks, but no _no_split_modules to say which modules they are."""
+    """A user's own model: a list of blocks, and _no_split_modules that does not name them."""
 
     config_class = PlainConfig
+    _no_split_modules = NO_SPLIT
 
     def __init__(self, config):
         super().__init__(config)
@@ -231,10 +232,14 @@ class PlainForCausalLM(PreTrainedModel, GenerationMixin):
 '''
 
 
-def test_a_model_without_decoder_layers_to_shard_is_rejected(tmp_path):
-    """A directory with its own modelling code whose class declares no _no_split_modules (the FSDP units)."""
+@pytest.mark.parametrize(
+    ("no_split", "expected"),
+    [(None, "declares no _no_split_modules"), (["PlainBlock"], "names ['PlainBlock'] in _no_split_modules but has no")],
+)
+def test_a_model_without_decoder_layers_to_shard_is_rejected(tmp_path, no_split, expected):
+    """A directory with its own modelling code whose class gives FSDP no decoder layers to wrap."""
     (tmp_path / "configuration_plain.py").write_text(REMOTE_CONFIG)
-    (tmp_path / "modeling_plain.py").write_text(REMOTE_MODEL)
+    (tmp_path / "modeling_plain.py").write_text(REMOTE_MODEL.replace("NO_SPLIT", repr(no_split)))
     auto_map = {
         "AutoConfig": "configuration_plain.PlainConfig",
         "AutoModelForCausalLM": "modeling_plain.PlainForCausalLM",
@@ -242,7 +247,7 @@ def test_a_model_without_decoder_layers_to_shard_is_rejected(tmp_path):
     config = {"model_type": "plain_lm", "architectures": ["PlainForCausalLM"], "auto_map": auto_map}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (problem,) = check_model_family(tmp_path, engine="hf", trust_remote_code=True)
-    assert "PlainForCausalLM declares no _no_split_modules" in problem and "_no_split_modules = [" in problem
+    assert f"PlainForCausalLM {expected}" in problem and "_no_split_modules = [" in problem
     (problem,) = check_model_family(tmp_path, engine="hf", trust_remote_code=False)
     assert "trust_remote_code=True" in problem
 

@@ -101,11 +101,10 @@ def _decoder_layer_problems(model: torch.nn.Module, where: str) -> list[str]:
         decoder_layers(model)
     except ValueError:
         declared = sorted(getattr(model, "_no_split_modules", None) or ())
-        what = (
-            f"names {declared} in _no_split_modules but has no such module"
-            if declared
-            else ("declares no _no_split_modules")
-        )
+        if declared:
+            what = f"names {declared} in _no_split_modules but has no such module"
+        else:
+            what = "declares no _no_split_modules"
         return [
             f"{where}: {type(model).__name__} {what}, so FSDP finds no decoder layers to shard one unit each; "
             "set _no_split_modules = ['<its decoder layer class>'] on the model class (in the directory's "
