@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,6 +253,26 @@ def test_a_model_without_decoder_layers_to_shard_is_rejected(tmp_path, no_split,
     assert f"PlainForCausalLM {expected}" in problem and "_no_split_modules = [" in problem
     (problem,) = check_model_family(tmp_path, engine="hf", trust_remote_code=False)
     assert "trust_remote_code=True" in problem
+
+
+@needs_vllm
+def test_the_vllm_check_leaves_the_environment_workers_inherit(family_dirs):
+    """vLLM's import sets LD_LIBRARY_PATH and more in os.environ; the check runs before launch (in a fresh
+    process here, where vLLM is not imported yet) and must not pass them on to the workers."""
+    code = (
+        "import os, sys\n"
+        "from rlkit.models import check_model_family\n"
+        "before = dict(os.environ)\n"
+        "assert check_model_family(sys.argv[1], engine='vllm', device='cpu') == []\n"
+        "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
+        "assert not changed, changed\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(family_dirs["qwen3-tied"])], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 @needs_vllm

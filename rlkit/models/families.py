@@ -4,13 +4,16 @@
 the meta device (no memory, well under a second even for 70B) to find what FSDP and the engines need: a class
 transformers can build for a causal LM, decoder layers to shard one by one, an attention implementation that
 runs on the device, and, for vLLM, an implementation of the architecture that can load these weights.
-The vLLM part imports vLLM in the calling process (a few seconds, once), and only when the engine is vLLM.
+The vLLM part imports vLLM in the calling process (a few seconds, once), and only when the engine is vLLM;
+the variables vLLM's import puts into ``os.environ`` are taken out again, so workers launched later do not
+inherit them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +138,6 @@ def _attention_problems(config: Any, device: str, where: str) -> list[str]:
 def _vllm_problems(config: Any, device: str, where: str) -> list[str]:
     """vLLM must implement the architecture (natively or through its Transformers backend), load its head, and,
     on CPU, support its attention head size."""
-    from vllm import ModelRegistry
-
     architectures = list(getattr(config, "architectures", None) or ())
     if not architectures:
         return [
@@ -144,7 +145,8 @@ def _vllm_problems(config: Any, device: str, where: str) -> list[str]:
             '"architectures": ["<its class, e.g. LlamaForCausalLM>"] or use rollout.engine="hf"'
         ]
     problems: list[str] = []
-    native = [a for a in architectures if a in set(ModelRegistry.get_supported_archs())]
+    supported, head_sizes = _vllm_support(device)
+    native = [a for a in architectures if a in supported]
     if not native and not _vllm_transformers_backend_runs(architectures[0]):
         problems.append(
             f"{where}: vLLM implements none of its architectures {architectures}, and its Transformers backend "
@@ -156,9 +158,36 @@ def _vllm_problems(config: Any, device: str, where: str) -> list[str]:
             f"{where}: vLLM's {native[0]} takes its output layer from the input embedding, but this model's "
             'embeddings are untied (tie_word_embeddings=false, its own lm_head); use rollout.engine="hf"'
         )
-    if device == "cpu":
-        problems += _vllm_cpu_head_size_problems(text, where)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if head_sizes is not None and head_dim not in head_sizes:
+        problems.append(
+            f"{where}: attention head size {head_dim} has no vLLM CPU kernel (it supports {head_sizes}); "
+            'use rollout.engine="hf" on CPU, or a GPU'
+        )
     return problems
+
+
+def _vllm_support(device: str) -> tuple[set[str], list[int] | None]:
+    """The architectures vLLM implements, and on CPU the head sizes its attention kernels take (None elsewhere).
+
+    vLLM's import sets variables in ``os.environ`` (LD_LIBRARY_PATH, TORCHINDUCTOR_COMPILE_THREADS, ...) for
+    its own processes; they are restored here so that workers launched after this check start as they would
+    without it.
+    """
+    saved = dict(os.environ)
+    try:
+        from vllm import ModelRegistry
+
+        supported = set(ModelRegistry.get_supported_archs())
+        head_sizes = None
+        if device == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            head_sizes = CPUAttentionBackend.get_supported_head_sizes()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return supported, head_sizes
 
 
 def _vllm_transformers_backend_runs(architecture: str) -> bool:
@@ -172,20 +201,6 @@ def _vllm_transformers_backend_runs(architecture: str) -> bool:
     if runs:
         logger.info("vLLM has no %s of its own: it runs transformers' through its Transformers backend", architecture)
     return runs
-
-
-def _vllm_cpu_head_size_problems(text_config: Any, where: str) -> list[str]:
-    """vLLM's CPU attention kernels exist for a fixed list of head sizes."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim in sizes:
-        return []
-    return [
-        f"{where}: attention head size {head_dim} has no vLLM CPU kernel (it supports {sizes}); "
-        'use rollout.engine="hf" on CPU, or a GPU'
-    ]
 
 
 def _first_line(exc: BaseException) -> str:
