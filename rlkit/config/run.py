@@ -288,10 +288,12 @@ class RLConfig:
         return p
 
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
-        """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
+        """Raise ConfigError if the batch does not divide across ``world_size`` ranks, FSDP settings do not fit,
+        or the model's family cannot be sharded or rolled out on ``device`` (rlkit.models.check_model_family)."""
         p: list[str] = self.fsdp.cluster_problems(world_size, device) + self.rollout.cluster_problems()
         p += attention_problems(self.attn_implementation, device)
         p += tracker_install_problems(self.trackers) + torch_companion_problems()
+        p += self._model_family_problems(device)
         if self.prompts_per_step % world_size:
             p.append(
                 f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "
@@ -306,6 +308,16 @@ class RLConfig:
                 )
         if p:
             raise ConfigError(p)
+
+    def _model_family_problems(self, device: str) -> list[str]:
+        """What the model directory lacks for FSDP and the rollout engine (imports transformers, and vLLM for it)."""
+        from rlkit.models.families import check_model_family
+        from rlkit.models.tiny import TINY_MODEL_DIR
+
+        model_dir = TINY_MODEL_DIR if self.model == "tiny" else Path(self.model)
+        return check_model_family(
+            model_dir, engine=self.rollout.engine, device=device, trust_remote_code=self.trust_remote_code
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-able), with ``algorithm`` naming the class for :func:`config_from_dict`."""

@@ -1,0 +1,208 @@
+"""Can rlkit train this model's family with FSDP and roll it out with the chosen engine? Checked before launch.
+
+:func:`check_model_family` reads a local model directory's config (never its weights) and builds the model on
+the meta device (no memory, well under a second even for 70B) to find what FSDP and the engines need: a class
+transformers can build for a causal LM, decoder layers to shard one by one, an attention implementation that
+runs on the device, and, for vLLM, an implementation of the architecture that can load these weights.
+The vLLM part imports vLLM in the calling process (a few seconds, once), and only when the engine is vLLM;
+the variables vLLM's import puts into ``os.environ`` are taken out again, so workers launched later do not
+inherit them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+VLLM_HEAD_IS_EMBEDDING = frozenset(
+    {"Gemma2ForCausalLM", "Gemma3nForCausalLM", "CohereForCausalLM", "Cohere2MoeForCausalLM"}
+)
+"""vLLM (0.32) classes that compute logits with the input embedding and have no output layer of their own:
+they cannot load a separate ``lm_head.weight`` (untied embeddings)."""
+FLASH_ATTENTION = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn-3"),
+}
+"""Attention implementations that need CUDA: (the module they import, the package that provides it)."""
+
+
+def check_model_family(
+    model_dir: str | Path, *, engine: str, device: str = "cpu", trust_remote_code: bool = False
+) -> list[str]:
+    """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``.
+
+    Args:
+        model_dir: a local Hugging Face model directory.
+        engine: "hf" or "vllm" (rollout.engine).
+        device: "cpu" or "cuda", where the workers run.
+        trust_remote_code: whether the directory's own modelling code may run (it does, here, if so).
+    Returns:
+        one message per problem, each naming what is missing and the fix; [] when the family fits.
+    """
+    where = f'model="{model_dir}"'
+    config, problem = _read_config(Path(model_dir), trust_remote_code, where)
+    if config is None:
+        return [problem]
+    problems = _attention_problems(config, device, where)
+    # with the attention reported, check the rest as transformers' default (sdpa or eager) would build it
+    model, problem = _meta_model(config, trust_remote_code, "eager" if problems else None, where)
+    problems += [problem] if model is None else _decoder_layer_problems(model, where)
+    if engine == "vllm" and importlib.util.find_spec("vllm") is not None:  # rollout.engine reports it missing
+        problems += _vllm_problems(config, device, where)
+    return problems
+
+
+def _read_config(model_dir: Path, trust_remote_code: bool, where: str) -> tuple[Any, str]:
+    """(the directory's transformers config, "") or (None, the problem)."""
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        return None, f"{where}: no config.json there; give a local Hugging Face model directory"
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        return None, (
+            f"{where}: transformers cannot read its config.json ({_first_line(exc)}); a newer transformers may "
+            "know this model_type, and a directory that ships its own code needs trust_remote_code=True"
+        )
+    return config, ""
+
+
+def _meta_model(
+    config: Any, trust_remote_code: bool, attention: str | None, where: str
+) -> tuple[torch.nn.Module | None, str]:
+    """(the causal LM rlkit would load, built on the meta device, "") or (None, the problem)."""
+    from transformers import AutoModelForCausalLM
+
+    override = {"attn_implementation": attention} if attention else {}
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **override)
+        return model, ""
+    except ImportError as exc:  # e.g. a package the directory's own modelling code imports
+        return None, f"{where}: building the model needs what is not installed ({_first_line(exc)}); install it"
+    except (ValueError, KeyError) as exc:
+        return None, (
+            f"{where}: AutoModelForCausalLM cannot build model_type={config.model_type!r} ({_first_line(exc)}); "
+            "rlkit trains causal language models that transformers (or the directory's own code, with "
+            "trust_remote_code=True) can build"
+        )
+
+
+def _decoder_layer_problems(model: torch.nn.Module, where: str) -> list[str]:
+    """FSDP wraps each module of a class named in ``_no_split_modules`` (rlkit.fsdp.decoder_layers)."""
+    from rlkit.fsdp.apply import decoder_layers
+
+    try:
+        decoder_layers(model)
+    except ValueError:
+        declared = sorted(getattr(model, "_no_split_modules", None) or ())
+        if declared:
+            what = f"names {declared} in _no_split_modules but has no such module"
+        else:
+            what = "declares no _no_split_modules"
+        return [
+            f"{where}: {type(model).__name__} {what}, so FSDP finds no decoder layers to shard one unit each; "
+            "set _no_split_modules = ['<its decoder layer class>'] on the model class (in the directory's "
+            "modelling code) or use an architecture that transformers implements"
+        ]
+    return []
+
+
+def _attention_problems(config: Any, device: str, where: str) -> list[str]:
+    """The config's requested attention implementation must run on ``device`` (the training side and hf engine)."""
+    wanted = getattr(config, "_attn_implementation", None)
+    if wanted not in FLASH_ATTENTION:
+        return []
+    module, package = FLASH_ATTENTION[wanted]
+    if device == "cpu":
+        return [
+            f'{where}: its config asks for attn_implementation="{wanted}", which needs CUDA; remove '
+            '"attn_implementation" from config.json (transformers then picks "sdpa") to run on CPU'
+        ]
+    if importlib.util.find_spec(module) is None:
+        return [
+            f'{where}: its config asks for attn_implementation="{wanted}" but {package} is not installed; '
+            f'pip install {package}, or remove "attn_implementation" from config.json (transformers then picks "sdpa")'
+        ]
+    return []
+
+
+def _vllm_problems(config: Any, device: str, where: str) -> list[str]:
+    """vLLM must implement the architecture (natively or through its Transformers backend), load its head, and,
+    on CPU, support its attention head size."""
+    architectures = list(getattr(config, "architectures", None) or ())
+    if not architectures:
+        return [
+            f'{where}: config.json names no "architectures", so vLLM cannot pick a model class; add '
+            '"architectures": ["<its class, e.g. LlamaForCausalLM>"] or use rollout.engine="hf"'
+        ]
+    problems: list[str] = []
+    supported, head_sizes = _vllm_support(device)
+    native = [a for a in architectures if a in supported]
+    if not native and not _vllm_transformers_backend_runs(architectures[0]):
+        problems.append(
+            f"{where}: vLLM implements none of its architectures {architectures}, and its Transformers backend "
+            'cannot run them; use rollout.engine="hf", or a vLLM that supports the architecture'
+        )
+    text = config.get_text_config()
+    if set(native) & VLLM_HEAD_IS_EMBEDDING and not getattr(text, "tie_word_embeddings", True):
+        problems.append(
+            f"{where}: vLLM's {native[0]} takes its output layer from the input embedding, but this model's "
+            'embeddings are untied (tie_word_embeddings=false, its own lm_head); use rollout.engine="hf"'
+        )
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if head_sizes is not None and head_dim not in head_sizes:
+        problems.append(
+            f"{where}: attention head size {head_dim} has no vLLM CPU kernel (it supports {head_sizes}); "
+            'use rollout.engine="hf" on CPU, or a GPU'
+        )
+    return problems
+
+
+def _vllm_support(device: str) -> tuple[set[str], list[int] | None]:
+    """The architectures vLLM implements, and on CPU the head sizes its attention kernels take (None elsewhere).
+
+    vLLM's import sets variables in ``os.environ`` (LD_LIBRARY_PATH, TORCHINDUCTOR_COMPILE_THREADS, ...) for
+    its own processes; they are restored here so that workers launched after this check start as they would
+    without it.
+    """
+    saved = dict(os.environ)
+    try:
+        from vllm import ModelRegistry
+
+        supported = set(ModelRegistry.get_supported_archs())
+        head_sizes = None
+        if device == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            head_sizes = CPUAttentionBackend.get_supported_head_sizes()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return supported, head_sizes
+
+
+def _vllm_transformers_backend_runs(architecture: str) -> bool:
+    """Whether vLLM would run ``architecture`` through its Transformers backend (as vLLM itself decides)."""
+    import transformers
+
+    cls = getattr(transformers, architecture, None)
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        return False
+    runs = bool(cls.is_backend_compatible() or cls._can_set_attn_implementation())
+    if runs:
+        logger.info("vLLM has no %s of its own: it runs transformers' through its Transformers backend", architecture)
+    return runs
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
