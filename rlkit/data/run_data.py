@@ -119,7 +119,7 @@ def _rewards(
         problems.append(f"reward_fn and [[rewards]] both have a term named {clashes}: rename one")
     if not terms and task and not config.reward_model.path:
         terms = [WeightedReward("addition_reward", addition_reward, 1.0)]
-    if not terms and not config.reward_model.path:
+    if not terms and not config.rewards and not config.reward_model.path:  # a failed [[rewards]] is named above
         problems.append(
             'no reward: add [[rewards]] function = "my_rewards.py:correct" to the config, pass reward_fn, '
             "or set reward_model.path"

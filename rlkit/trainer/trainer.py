@@ -77,11 +77,11 @@ class Trainer(PolicyTrainerBase):
         policy_loss_fn: PolicyLossFn | None = None,
     ):
         config.check_cluster(cluster.world_size, cluster.device)
-        self._start_run(cluster, config)
         self.config: RLConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         run = load_run_data(config, self.tokenizer, prompts=prompts, val_prompts=val_prompts, reward_fn=reward_fn)
+        self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", run.summary())
         self._prompts, self._val, self._rewards = run.train, run.val, run.rewards
         self._advantage_fn = advantage_fn
