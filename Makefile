@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (the whole suite, Ray backend included).
+# The two commands of the README: `make demo` (the main job) and `make test` (lint, types, then the whole suite,
+# Ray backend included).
 # Both build .venv themselves on a fresh machine (Python 3.11+, pip; no GPU, no hub access needed).
 
 PY ?= python3
@@ -13,6 +14,8 @@ demo: $(VENV)/.base
 	$(BIN)/rlkit train configs/grpo_tiny.toml --report reports/grpo_tiny.html
 
 test: $(VENV)/.dev chromium
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest --nbmake --nbmake-timeout=600 tests notebooks
 
 $(VENV)/.venv:

@@ -61,7 +61,7 @@ class RolloutView(View):
         self.colouring = colouring
         self.page_size = page_size
         self.page = 0
-        self._controls = None
+        self._controls: list | None = None
 
     @classmethod
     def from_trainer(cls, trainer, **kwargs) -> RolloutView:
@@ -73,6 +73,12 @@ class RolloutView(View):
         self.refresh()
 
     # -- data ---------------------------------------------------------------------------------------
+
+    def _shown(self) -> Batch:
+        """The batch on display (the views that draw samples are only drawn when there is one)."""
+        if self.batch is None:
+            raise ValueError("no batch to show: run a step first")
+        return self.batch
 
     @property
     def pages(self) -> int:
@@ -94,19 +100,21 @@ class RolloutView(View):
 
     def token_values(self, colouring: str) -> torch.Tensor:
         """[B, T] the value each response token is coloured by."""
-        b = self.batch
+        b = self._shown()
         if colouring == "advantage":
+            assert b.advantages is not None, "no advantages to colour by yet"
             adv = b.advantages.float()
             return adv[:, None].expand_as(b.response_mask) if adv.dim() == 1 else adv
-        if colouring == "logprob_gap":
-            return b.logprob_gap_tokens()
+        gap = b.logprob_gap_tokens()
+        if colouring == "logprob_gap" and gap is not None:
+            return gap
         return b.rollout_logprobs
 
     # -- rendering ----------------------------------------------------------------------------------
 
     def tokens_html(self, i: int, values: torch.Tensor, colouring: str, scale: float) -> str:
         """Sample ``i``'s completion as coloured spans; each span's title gives the token and its value."""
-        b = self.batch
+        b = self._shown()
         ids = b.input_ids[i, b.prompt_length :]
         spans = []
         for t in range(int(b.response_mask[i].sum())):
@@ -119,7 +127,7 @@ class RolloutView(View):
         return "".join(spans)
 
     def rows_html(self, indices: range) -> str:
-        b, colouring = self.batch, self.current_colouring()
+        b, colouring = self._shown(), self.current_colouring() or "logprob"
         values = self.token_values(colouring)
         scale = float(values.abs().max()) if colouring == "advantage" else 0.0
         gaps = b.logprob_gap()
@@ -155,10 +163,10 @@ class RolloutView(View):
 
     def _page_indices(self) -> range:
         start = self.page * self.page_size
-        return range(start, min(start + self.page_size, len(self.batch)))
+        return range(start, min(start + self.page_size, len(self._shown())))
 
     def _headline(self) -> str:
-        b = self.batch
+        b = self._shown()
         parts = [f"{len(b)} samples in {len(set(b.group.tolist()))} group(s)"]
         if b.rewards is not None:
             parts.append(f"mean reward {float(b.rewards.mean()):.4g}")
@@ -170,8 +178,11 @@ class RolloutView(View):
 
     def silent_groups(self) -> list[int]:
         """Prompt groups whose samples all got the same reward (their advantages are zero)."""
-        b = self.batch
-        return sorted(int(g) for g in b.group.unique() if b.rewards[b.group == g].unique().numel() == 1)
+        b = self._shown()
+        rewards = b.rewards
+        if rewards is None:
+            return []
+        return sorted(int(g) for g in b.group.unique() if rewards[b.group == g].unique().numel() == 1)
 
     def summary_html(self) -> str:
         if self.batch is None:
@@ -188,7 +199,7 @@ class RolloutView(View):
         return f"<p>{html.escape(self._headline())}.</p>" + self._legend() + self.rows_html(range(len(self.batch)))
 
     def _legend(self) -> str:
-        legend = html.escape(LEGENDS[self.current_colouring()])
+        legend = html.escape(LEGENDS[self.current_colouring() or "logprob"])
         return f'<p class="note">Tokens: {legend}; hover a token for its value.</p>'
 
     def summary_text(self) -> str:
@@ -199,11 +210,11 @@ class RolloutView(View):
         return f"rollouts: {self._headline()}\n{table[columns].to_string()}"
 
     def figures(self) -> list:
-        if self.batch is None or self.batch.rewards is None:
+        b = self.batch
+        if b is None or b.rewards is None:
             return []
         import plotly.graph_objects as go
 
-        b = self.batch
         fig = go.Figure(
             go.Box(
                 x=b.group.tolist(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 import torch
@@ -83,6 +84,14 @@ class Batch:
         warnings.warn("Batch.logprobs is now Batch.old_logprobs", DeprecationWarning, stacklevel=2)
         self.old_logprobs = value
 
+    def filled(self, name: str) -> torch.Tensor:
+        """The tensor field ``name``, or a ValueError saying which phase fills it (rewards: ``trainer.score``;
+        advantages, returns: ``trainer.advantages``; old_logprobs: the rollout or the update)."""
+        value = getattr(self, name)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"the batch has no {name} yet: run the phase that fills it first")
+        return value
+
     def engine_checked(self) -> torch.Tensor:
         """[B, T] bool: response tokens whose engine log-prob is known (what the gap check compares)."""
         rows = self.rollout_logprob_rows
@@ -132,7 +141,7 @@ class Batch:
         width = max(b.input_ids.shape[1] for b in batches)
         batches = [b._left_padded(width) for b in batches]
         first = batches[0]
-        out = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(Batch):
             values = [getattr(b, f.name) for b in batches]
             if f.name == "fields":
@@ -148,12 +157,12 @@ class Batch:
         return Batch(**out)
 
     def _slice(self, index: slice | list[int]) -> Batch:
-        def take(value):
+        def take(value: Any) -> Any:
             if isinstance(value, torch.Tensor) or isinstance(index, slice):
                 return value[index]
             return [value[i] for i in index]
 
-        out = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(Batch):
             value = getattr(self, f.name)
             if isinstance(value, dict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ class WeightedReward:
 
 
 def reward_terms(
-    spec: RewardFn | list[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]],
+    spec: RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]],
 ) -> list[WeightedReward]:
     """Normalise a reward spec: one callable, a list (weight 1 each), or {name: fn or (fn, weight)}.
 

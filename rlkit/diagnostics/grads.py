@@ -166,7 +166,7 @@ def _loss_mismatches(reports: Sequence[GradReport], rtol: float = 1e-5) -> list[
     support = {rank: sum(close(v, w) for w in losses.values()) for rank, v in sorted(losses.items())}
     if not support:
         return []
-    reference = losses[max(support, key=support.get)]
+    reference = losses[max(support, key=lambda rank: support[rank])]
     return [{"rank": rank, "tensor": "loss", "check": "loss",
              "detail": f"{v:.6g} where the other ranks have {reference:.6g}"}
             for rank, v in sorted(losses.items()) if not close(v, reference)]

@@ -227,7 +227,7 @@ def _param_info(param: Param, state_bytes: dict[int, int]) -> ParamInfo:
         name=param.name,
         unit=param.unit,
         global_shape=param.global_shape,
-        dtype=_dtype(param.dtype),
+        dtype=_dtype(param.dtype) or "unknown",
         local_shape=tuple(local.shape),
         local_numel=local.numel(),
         local_bytes=_bytes(local),
@@ -286,7 +286,7 @@ def _majority_device(model: nn.Module) -> torch.device:
     counts: dict[torch.device, int] = {}
     for p in model.parameters():
         counts[p.device] = counts.get(p.device, 0) + p.numel()
-    return max(counts, key=counts.get) if counts else torch.device("cpu")
+    return max(counts, key=lambda device: counts[device]) if counts else torch.device("cpu")
 
 
 def _blocks(model: nn.Module) -> dict[str, str]:
@@ -316,7 +316,7 @@ def _holding(role: str, layout: Layout) -> Holding:
         tensors=len(locals_),
         numel=sum(t.numel() for t in locals_),
         bytes=sum(_bytes(t) for t in locals_),
-        dtypes=sorted({_dtype(t.dtype) for t in locals_}),
+        dtypes=sorted({_dtype(t.dtype) or "unknown" for t in locals_}),
         devices=sorted({str(t.device) for t in locals_}),
         sharded=any(p.shards > 1 for p in layout.params),
     )

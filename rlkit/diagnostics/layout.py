@@ -12,6 +12,7 @@ with the same ``shard_index`` must hold identical values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,7 +153,7 @@ def _fsdp1_unit(module: FSDP, names: dict[int, str]) -> tuple[Unit, list[Param]]
     for i, (info, shard, shape) in enumerate(
         zip(flat._param_infos, flat._shard_param_infos, flat._shapes, strict=True)
     ):
-        orig = flat._params[i] if module._use_orig_params else None
+        orig = flat._params[i] if module._use_orig_params and flat._params is not None else None
         current = info.module._parameters.get(info.param_name)
         replaced = current is not orig if orig is not None else current is not None
         if not replaced and _storage_moved(orig, flat):
@@ -266,7 +267,7 @@ def _plain(name: str, param: torch.Tensor) -> Param:
     """A parameter no FSDP unit manages (a DTensor from another parallelism keeps its own shards)."""
     shards, index = 1, 0
     if isinstance(param, DTensor):
-        coords = param.device_mesh.get_coordinate() or []
+        coords: Sequence[int] = param.device_mesh.get_coordinate() or ()
         for dim, placement in enumerate(param.placements):
             if isinstance(placement, Shard):
                 index = index * param.device_mesh.size(dim) + coords[dim]

@@ -66,8 +66,8 @@ def lint(reports: Sequence[RankReport]) -> Findings:
         for rule in rules.PER_RANK:
             for item in rule(report):
                 _merge(found, item, report.rank)
-    for rule in rules.ACROSS_RANKS:
-        for item in rule(reports):
+    for across in rules.ACROSS_RANKS:
+        for item in across(reports):
             _merge(found, item, None)
     items = [Finding(**{**v, "ranks": tuple(v["ranks"])}) for v in found.values()]
     return Findings(sorted(items, key=lambda f: SEVERITIES.index(f.severity)))

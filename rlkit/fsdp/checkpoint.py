@@ -41,9 +41,8 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Load what :func:`save_sharded` wrote, resharding to this cluster's layout, in place."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))  # fills both in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 def export_hf(model: torch.nn.Module, directory: Path, source_dir: Path, *, dtype: torch.dtype | None = None) -> None:
@@ -59,8 +58,8 @@ def export_hf(model: torch.nn.Module, directory: Path, source_dir: Path, *, dtyp
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_gpu))
     if dist.get_rank() != 0:
         return
-    state = _untie(model, state)
-    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in state.items()}
+    full = _untie(model, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in full.items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     for name in HF_FILES:
         if (source_dir / name).is_file():

@@ -12,11 +12,11 @@ from rlkit.data.batch import Batch
 def advantage_inputs(batch: Batch, config: RLConfig) -> AdvantageInputs:
     """What the estimator sees: each reward on its sequence's last token, minus ``kl_coef`` times the
     per-token KL to the reference when ``kl_mode == "reward"``, plus the rollout-time values (PPO)."""
-    token_rewards = outcome_token_rewards(batch.rewards, batch.response_mask)
+    token_rewards = outcome_token_rewards(batch.filled("rewards"), batch.response_mask)
     if config.kl_mode == "reward" and batch.ref_logprobs is not None:
         token_rewards = kl_reward_penalty(
             token_rewards,
-            batch.old_logprobs,
+            batch.filled("old_logprobs"),
             batch.ref_logprobs,
             batch.response_mask,
             coef=config.kl_coef,

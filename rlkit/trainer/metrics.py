@@ -32,8 +32,8 @@ def step_metrics(
     mask = batch.response_mask
     row: dict[str, float] = {
         "step": step,
-        "reward/mean": batch.rewards.mean().item(),
-        "reward/std": batch.rewards.std().item(),
+        "reward/mean": batch.filled("rewards").mean().item(),
+        "reward/std": batch.filled("rewards").std().item(),
         **{f"reward/{name}/mean": v.mean().item() for name, v in batch.reward_terms.items()},
         "response/length/mean": lengths.mean().item(),
         "response/length/max": lengths.max().item(),
@@ -70,15 +70,17 @@ def _algorithm_metrics(batch: Batch) -> dict[str, float]:
     kl = 0.0
     if batch.ref_logprobs is not None and batch.old_logprobs is not None:
         kl = masked_mean(kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), mask).item()
+    advantages = batch.filled("advantages")
     row = {
         "kl/mean": kl,
-        "advantages/mean": masked_mean(batch.advantages, mask).item(),
-        "advantages/abs_max": (batch.advantages * mask).abs().max().item(),
+        "advantages/mean": masked_mean(advantages, mask).item(),
+        "advantages/abs_max": (advantages * mask).abs().max().item(),
     }
     if batch.values is not None:
-        row["critic/explained_variance"] = explained_variance(batch.values, batch.returns, mask)
+        returns = batch.filled("returns")
+        row["critic/explained_variance"] = explained_variance(batch.values, returns, mask)
         row["critic/values/mean"] = masked_mean(batch.values, mask).item()
-        row["critic/returns/mean"] = masked_mean(batch.returns, mask).item()
+        row["critic/returns/mean"] = masked_mean(returns, mask).item()
     return row
 
 

@@ -31,12 +31,12 @@ def refill_informative(
         first draw's groups) and sampling/filled (uninformative groups that filled the step).
     """
     batches, rounds = [first], 0
-    keep = [informative_groups(first.rewards, first.group)]
+    keep = [informative_groups(first.filled("rewards"), first.group)]
     first_frac = _group_count(first, keep[0]) / groups
     while sum(_group_count(b, k) for b, k in zip(batches, keep, strict=True)) < groups and rounds < max_rounds:
         rounds += 1
         batches.append(draw(rounds))
-        keep.append(informative_groups(batches[-1].rewards, batches[-1].group))
+        keep.append(informative_groups(batches[-1].filled("rewards"), batches[-1].group))
     joined = Batch.concat(batches)
     informative = torch.cat(keep)
     order = torch.cat([informative.nonzero().flatten(), (~informative).nonzero().flatten()])

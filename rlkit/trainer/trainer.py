@@ -239,7 +239,7 @@ class Trainer(PolicyTrainerBase):
         start = time.perf_counter()
         self._phase_times, self._worker_times = {}, {}
         batch = self._scored(self.rollout() if batch is None else batch)
-        sampling = {}
+        sampling: dict[str, float] = {}
         if cfg.dynamic_sampling:
             batch, sampling = refill_informative(
                 batch, self._scored_refill, groups=cfg.prompts_per_step, max_rounds=cfg.max_refill_rounds

@@ -36,6 +36,13 @@ class Rows:
     def to(self: RowsT, device: torch.device) -> RowsT:
         return dataclasses.replace(self, **{name: value.to(device) for name, value in self._tensors().items()})
 
+    def filled(self, name: str) -> torch.Tensor:
+        """The tensor field ``name``; a ValueError naming it when it is None."""
+        value = getattr(self, name)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"these rows have no {name}")
+        return value
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {name: value for name, value in values.items() if value is not None}

@@ -163,9 +163,10 @@ class PolicyWorker(ActorRole):
                     for index, micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
                         # 2. the current policy's log-probs of the sampled tokens (and the entropy)
                         new_logprobs, entropy = self._new_logprobs(micro)
-                        old_logprobs = micro.old_logprobs
                         if scored is not None:  # the only mini-batch is all the rows: index places them
                             old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
+                        else:
+                            old_logprobs = micro.filled("old_logprobs")
                         # 3. the objective (pure math in rlkit.algos)
                         weights = loss_weights(
                             micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon

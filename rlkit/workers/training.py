@@ -37,7 +37,7 @@ class TrainedModel:
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])
 
     def save(self, directory: Path, name: str, rank: int) -> None:
         """Shards of model and optimizer into ``directory/name``; this rank's schedule into ``name_rank<r>.pt``."""
