@@ -2,7 +2,7 @@
 
     python bench/fsdp_train.py --world-sizes 1 2 [--shape 0.5b] [--batch 16] [--seq 320] [--steps 5]
 
-For each world size: one rlkit cluster, rlkit's Actor (FSDP2, bf16 compute,
+For each world size: one rlkit cluster, rlkit's PolicyWorker (FSDP2, bf16 compute,
 fp32 master weights and reduce) doing GRPO-style updates on a synthetic batch
 of ``batch`` sequences per rank. Prints per-rank memory of parameters,
 gradients and optimizer state (local shards), peak allocated memory, step
@@ -13,11 +13,14 @@ then the ratios between world sizes. Runs on CPU too (gloo, fp32) with a small s
 from __future__ import annotations
 
 import argparse
-import time
+import shutil
+import tempfile
+from pathlib import Path
 
 from shapes import PEAK_BF16_FLOPS, SHAPES
 
 import rlkit
+from rlkit.models.tiny import TINY_MODEL_DIR
 
 
 def local_bytes(tensors) -> int:
@@ -30,39 +33,35 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def train(shape: str, batch: int, seq: int, response: int, steps: int, micro: int) -> dict:
-    """On a worker: build, wrap, run ``steps`` updates; return this rank's figures."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def train(model_dir: str, shape: str, batch: int, seq: int, response: int, steps: int, micro: int) -> dict:
+    """On a worker: rlkit's PolicyWorker on the model in ``model_dir``, ``steps`` updates; this rank's figures.
 
-    from rlkit.fsdp import build_mesh
+    The update's weight sync into the (hf) engine is part of each timed step, as in training."""
+    import torch
+
     from rlkit.runtime import context
-    from rlkit.trainer.actor import Actor
+    from rlkit.workers import PolicyRows, PolicyWorker
 
     ctx = context()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape], max_position_embeddings=4096)).to(ctx.device)
-    n_params = sum(p.numel() for p in model.parameters())
-    config = rlkit.GRPOConfig(micro_batch_size=micro, steps=steps, rollout=rlkit.RolloutConfig(max_new_tokens=response))
-    actor = Actor(model, build_mesh(ctx.device.type, ctx.world_size, config.fsdp), config)
+    config = rlkit.GRPOConfig(
+        model=model_dir, micro_batch_size=micro, steps=steps,
+        rollout=rlkit.RolloutConfig(max_new_tokens=response, max_prompt_tokens=seq - response),
+    )  # fmt: skip
+    worker = PolicyWorker(config, model_dir)
     gen = torch.Generator(device="cpu").manual_seed(ctx.rank)
-    data = {
-        "input_ids": torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), generator=gen),
-        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-        "response_mask": torch.ones(batch, response),
-        "logprobs": torch.full((batch, response), -10.0),
-        "advantages": torch.randn(batch, generator=gen),
-    }
-    data = {k: v.to(ctx.device) for k, v in data.items()}
-    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    rows = PolicyRows(
+        input_ids=torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), generator=gen),
+        attention_mask=torch.ones(batch, seq, dtype=torch.long),
+        response_mask=torch.ones(batch, response),
+        old_logprobs=torch.full((batch, response), -10.0),
+        advantages=torch.randn(batch, 1, generator=gen).expand(batch, response).clone(),
+    )
     times = []
     for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        actor.train_step(data)
-        sync()
-        times.append(time.perf_counter() - start)
+        result = worker.update(rows)
+        times.append(result.times["update"] + result.times["sync"])
     step = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    actor = worker.actor
     optim_state = [v for s in actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
     out = {
         "params_gib": local_bytes(actor.model.parameters()) / 2**30,
@@ -70,11 +69,26 @@ def train(shape: str, batch: int, seq: int, response: int, steps: int, micro: in
         "optim_gib": local_bytes(optim_state) / 2**30,
         "step_s": step,
         "tokens_per_s": batch * seq / step,
-        "n_params": n_params,
+        "n_params": sum(p.numel() for p in actor.model.parameters()),  # a DTensor counts its global numel
     }
     if ctx.device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    worker.close()
     return out
+
+
+def model_dir(shape: str, root: Path) -> str:
+    """A random-weight model of ``shape`` with the bundled tokenizer, built once under ``root``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = root / f"qwen2-{shape}-random"
+    if not (out / "config.json").is_file():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape], max_position_embeddings=4096)).save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(TINY_MODEL_DIR / name, out / name)
+    return str(out)
 
 
 def main() -> None:
@@ -87,11 +101,15 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "rlkit-bench-models")
     args = parser.parse_args()
+    directory = model_dir(args.shape, args.root)
     rows = {}
     for ws in args.world_sizes:
         with rlkit.launch(world_size=ws, device=args.device) as cluster:
-            results = cluster.run(train, args.shape, args.batch, args.seq, args.response, args.steps, args.micro)
+            results = cluster.run(
+                train, directory, args.shape, args.batch, args.seq, args.response, args.steps, args.micro
+            )
             device = cluster.device
         rows[ws] = results
         r0 = results[0]
