@@ -183,3 +183,14 @@ def test_lr_schedule():
     kinds = ("cosine", "constant")
     past = [lr_factor(s, warmup=0, total=5, schedule=kind, min_ratio=0.1) for kind in kinds for s in (5, 50)]
     assert past == pytest.approx([0.1, 0.1, 1.0, 1.0])  # past the schedule: its last value, held
+
+
+def test_clean_name_drops_every_wrapper_segment():
+    """One clean_name for the weight sync and the diagnostics: FSDP1, activation checkpointing and compile."""
+    from rlkit.fsdp.full_params import clean_name
+
+    wrapped = "_fsdp_wrapped_module.model.layers.0._checkpoint_wrapped_module._orig_mod.mlp.up_proj.weight"
+    assert clean_name(wrapped) == "model.layers.0.mlp.up_proj.weight"
+    assert clean_name("model.layers.0._fsdp_wrapped_module") == "model.layers.0"
+    assert clean_name("_fsdp_wrapped_module") == ""
+    assert clean_name("lm_head.weight") == "lm_head.weight"

@@ -184,21 +184,7 @@ class RLConfig:
             f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must hold the longest row, "
             f"rollout.max_prompt_tokens + max_new_tokens = {longest} tokens (or 0 to count sequences)",
         )
-        if not self.recompute_logprobs:
-            need(
-                p,
-                self.ppo_epochs == 1 and self.mini_batches == 1,
-                f"recompute_logprobs=False with ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}: "
-                "later optimizer steps need the log-probs from before the first; "
-                "set both to 1 or recompute_logprobs=True",
-            )
-            need(
-                p,
-                not (self.kl_mode == "reward" and self.kl_coef > 0),
-                'recompute_logprobs=False with kl_mode="reward": the KL penalty needs the log-probs before '
-                'the advantages; use kl_mode="loss" or recompute_logprobs=True',
-            )
-        p += self._algorithm_problems()
+        p += self._recompute_problems() + self._algorithm_problems()
         need(p, 0 < self.clip_eps < 1, f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
         need(
             p,
@@ -228,6 +214,26 @@ class RLConfig:
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
+
+    def _recompute_problems(self) -> list[str]:
+        """Checks of ``recompute_logprobs=False`` (the update's first forward stands for the old policy)."""
+        p: list[str] = []
+        if self.recompute_logprobs:
+            return p
+        need(
+            p,
+            self.ppo_epochs == 1 and self.mini_batches == 1,
+            f"recompute_logprobs=False with ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}: "
+            "later optimizer steps need the log-probs from before the first; "
+            "set both to 1 or recompute_logprobs=True",
+        )
+        need(
+            p,
+            not (self.kl_mode == "reward" and self.kl_coef > 0),
+            'recompute_logprobs=False with kl_mode="reward": the KL penalty needs the log-probs before '
+            'the advantages; use kl_mode="loss" or recompute_logprobs=True',
+        )
+        return p
 
     def _algorithm_problems(self) -> list[str]:
         """Checks of the advantage estimator and its settings."""

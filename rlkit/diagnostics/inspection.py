@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from rlkit.diagnostics.agreement import checksum
-from rlkit.diagnostics.layout import Layout, Param, clean_name, discover
+from rlkit.diagnostics.layout import Layout, Param, discover
 from rlkit.diagnostics.memory import storage_bytes
+from rlkit.fsdp.full_params import clean_name
 
 
 @dataclass(kw_only=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, ShardingStrateg
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Shard
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+from rlkit.fsdp.full_params import clean_name
 
 
 @dataclass(kw_only=True)
@@ -88,13 +89,6 @@ class Param:
 class Layout:
     units: list[Unit]
     params: list[Param]
-
-
-def clean_name(name: str) -> str:
-    """A module or parameter path without FSDP1 / checkpoint / compile wrapper segments."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "").replace(prefix.rstrip("."), "")
-    return name.strip(".").replace("..", ".")
 
 
 def unit_label(unit: str | None) -> str:
@@ -194,23 +188,8 @@ def _fsdp2_unit(module: FSDPModule, names: dict[int, str]) -> tuple[Unit, list[P
     state = module._get_fsdp_state()
     groups = list(getattr(state, "_fsdp_param_groups", None) or [g for g in [state._fsdp_param_group] if g])
     name = names[id(module)]
-    if not groups:
-        mp = state._mp_policy
-        unit = Unit(
-            name=name,
-            api="FSDP2",
-            strategy=None,
-            shard_size=None,
-            replicate_size=None,
-            param_dtype=mp.param_dtype,
-            reduce_dtype=mp.reduce_dtype,
-            reshard_after_forward=None,
-            offload=False,
-            use_orig_params=None,
-            device=state._device,
-            storage=[],
-        )
-        return unit, []
+    if not groups:  # a unit that manages no parameters of its own (e.g. a root whose children hold them all)
+        return _empty_fsdp2_unit(state, name), []
     group = groups[0]
     mesh = group.mesh_info
     shard_size = mesh.shard_mesh_size
@@ -231,6 +210,30 @@ def _fsdp2_unit(module: FSDPModule, names: dict[int, str]) -> tuple[Unit, list[P
         device=group.device,
         storage=[fp._sharded_param_data for fp in fsdp_params],
     )
+    return unit, _fsdp2_params(fsdp_params, names, name, shard_size)
+
+
+def _empty_fsdp2_unit(state: Any, name: str) -> Unit:
+    """An FSDP2 unit without parameter groups: only its mixed-precision policy and device to show."""
+    mp = state._mp_policy
+    return Unit(
+        name=name,
+        api="FSDP2",
+        strategy=None,
+        shard_size=None,
+        replicate_size=None,
+        param_dtype=mp.param_dtype,
+        reduce_dtype=mp.reduce_dtype,
+        reshard_after_forward=None,
+        offload=False,
+        use_orig_params=None,
+        device=state._device,
+        storage=[],
+    )
+
+
+def _fsdp2_params(fsdp_params: list[Any], names: dict[int, str], unit: str, shard_size: int) -> list[Param]:
+    """One Param per FSDP2-managed parameter of ``unit``, with this rank's shard."""
     params = []
     for fp in fsdp_params:
         info = fp._module_info
@@ -240,7 +243,7 @@ def _fsdp2_unit(module: FSDPModule, names: dict[int, str]) -> tuple[Unit, list[P
         params.append(
             Param(
                 name=_join(names[id(info.module)], info.param_name),
-                unit=name,
+                unit=unit,
                 global_shape=tuple(fp._orig_size),
                 dtype=sharded.dtype,
                 requires_grad=sharded.requires_grad,
@@ -251,7 +254,7 @@ def _fsdp2_unit(module: FSDPModule, names: dict[int, str]) -> tuple[Unit, list[P
                 replacement=None if managed else current,
             )
         )
-    return unit, params
+    return params
 
 
 def _fsdp2_strategy(shard_size: int, replicate_size: int, reshard: bool) -> str:

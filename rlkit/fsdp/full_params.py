@@ -8,14 +8,20 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+"""What FSDP1, activation checkpointing and torch.compile insert into module and parameter paths."""
 
 
 def clean_name(name: str) -> str:
-    """A parameter name without FSDP1/activation-checkpoint wrapper prefixes."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
+    """A module or parameter path without FSDP1 / activation-checkpoint / compile wrapper segments.
+
+    Example:
+        clean_name("_fsdp_wrapped_module.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+        == "model.layers.0.mlp.up_proj.weight";  clean_name("layers.0._fsdp_wrapped_module") == "layers.0"
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "").replace(prefix.rstrip("."), "")
+    return name.strip(".").replace("..", ".")
 
 
 def iter_full_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

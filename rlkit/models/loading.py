@@ -10,8 +10,6 @@ import torch
 from rlkit.models.attention import hf_attn_implementation
 from rlkit.models.head import install_response_head
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def resolve_model_dir(model: str) -> Path:
     """ "tiny" -> the bundled model's folder; anything else must be a local Hugging Face directory."""
@@ -62,8 +60,13 @@ def load_causal_lm(
         local_files_only=True,
         attn_implementation=hf_attn_implementation(attn_implementation),
     )
+    install_response_head(without_dropout(model))
+    return model.to(device)
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every dropout's probability set to 0 (RL wants deterministic log-probs and values)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    install_response_head(model)
-    return model.to(device)
+    return model

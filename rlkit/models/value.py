@@ -7,15 +7,9 @@ from pathlib import Path
 import torch
 
 from rlkit.models.attention import hf_attn_implementation
+from rlkit.models.loading import without_dropout
 from rlkit.models.logprobs import position_ids_for
 from rlkit.models.packing import pack_rows, response_slots
-
-
-def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
 
 
 def load_value_model(
@@ -45,7 +39,7 @@ def load_value_model(
         )
     finally:
         hf_logging.set_verbosity(verbosity)
-    return _no_dropout(model).to(device)
+    return without_dropout(model).to(device)
 
 
 def response_values(
@@ -91,7 +85,7 @@ def load_reward_model(model_dir: Path, *, dtype: torch.dtype, device: torch.devi
             f"reward model {model_dir} has num_labels={model.config.num_labels}; a reward model gives one score "
             "per sequence (num_labels=1)"
         )
-    return _no_dropout(model).to(device)
+    return without_dropout(model).to(device)
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
