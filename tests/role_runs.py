@@ -13,10 +13,11 @@ import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TINY_GRAD = 1e-6
-"""Gradient entries below this (before clipping, which scales them down further) are within a few
-hundred float-noise units of AdamW's eps = 1e-8, where its first step (about lr * g / (|g| + eps))
-turns a change in the order of a reduction (packed vs padded rows, micro-batch splits) into a visible
-change of the weight, or of its sign: such entries are held to within 2 * lr."""
+"""Gradient entries below this, as AdamW takes them (after clipping: a loss that sums tokens has a
+large norm that the clip scales down by orders of magnitude), are within a few hundred float-noise
+units of AdamW's eps = 1e-8, where its first step (about lr * g / (|g| + eps)) turns a change in the
+order of a reduction (packed vs padded rows, micro-batch splits) into a visible change of the weight,
+or of its sign: such entries are held to within 2 * lr."""
 
 
 def assert_adam_step_matches(
@@ -26,7 +27,9 @@ def assert_adam_step_matches(
     lr: float,
     label: str,
 ) -> None:
-    """Weights after one AdamW step equal the reference's (entries whose gradient was float noise: within 2 lr)."""
+    """Weights after one AdamW step equal the reference's (entries whose gradient was float noise: within 2 lr).
+
+    ``grads``: the reference's gradients as its AdamW took them (after clipping)."""
     assert got.keys() == expected.keys()
     for name, ref in expected.items():
         noise = grads[name].abs() < TINY_GRAD

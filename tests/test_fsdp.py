@@ -67,7 +67,7 @@ class Reference:
     loss: float
     weights: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
-    """Before clipping."""
+    """After clipping: what AdamW stepped on."""
 
     def assert_matches(self, weights: dict[str, torch.Tensor], label: str) -> None:
         """Every weight as after the reference's AdamW step (entries with float-noise gradients: within 2 lr)."""
@@ -85,8 +85,8 @@ def reference_update() -> Reference:
     mask = batch["response_mask"]
     loss = (per_token * mask).sum() / mask.sum()
     loss.backward()
-    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}  # as AdamW takes them
     optimizer.step()
     return Reference(loss.item(), {k: v.detach() for k, v in model.named_parameters()}, grads)
 
@@ -126,8 +126,7 @@ def test_gradient_accumulation_invariance(cluster, model_dir):
     whole = cluster.run(sharded_update, model_dir, 2, 4)[0]
     accumulated = cluster.run(sharded_update, model_dir, 2, 1)[0]
     assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5)
-    for name, value in whole["weights"].items():
-        torch.testing.assert_close(accumulated["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_adam_step_matches(accumulated["weights"], whole["weights"], reference_update().grads, LR, "micro=1")
 
 
 @pytest.mark.timeout(120)

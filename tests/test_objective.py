@@ -67,8 +67,8 @@ def policy_reference(mode: str) -> tuple[float, float, dict[str, torch.Tensor], 
     per_token = per_token + 0.05 * kl_estimate(logp, batch["ref_logprobs"], "k2") - 0.01 * entropy_from_logits(logits)
     loss = aggregate_loss(per_token, batch["response_mask"], mode)
     loss.backward()
-    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}  # as AdamW takes them
     optimizer.step()
     clipfrac = masked_mean(clipped, batch["response_mask"]).item()
     return loss.item(), clipfrac, {k: v.detach() for k, v in model.named_parameters()}, grads
@@ -125,8 +125,8 @@ def test_custom_policy_loss_travels_by_value(cluster, model_dir):
     per_token = -batch["advantages"] * logp + 0.05 * kl_estimate(logp, batch["ref_logprobs"], "k2")
     per_token = per_token - 0.01 * entropy_from_logits(logits)
     aggregate_loss(per_token, batch["response_mask"], "token-mean").backward()
-    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}  # as AdamW takes them
     optimizer.step()
     expected = {k: v.detach() for k, v in model.named_parameters()}
     for rank, result in enumerate(cluster.run(sharded_policy_update, model_dir, "token-mean", 2, reinforce)):

@@ -62,7 +62,9 @@ class Front:
                     and msg["content"]["execution_state"] == "idle"):
                 break
         reply = self.client.get_shell_msg(timeout=timeout)
-        assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok", reply["content"]
+        while reply["parent_header"].get("msg_id") != msg_id:  # a kernel_info reply of a slow start, say
+            reply = self.client.get_shell_msg(timeout=timeout)
+        assert reply["content"]["status"] == "ok", reply["content"]
         return time.monotonic() - start
 
     def find(self, **state) -> str:
