@@ -1,8 +1,9 @@
 """PreferenceWorker.update on 2 gloo workers against an unsharded single-process reference written in plain torch.
 
 Two optimizer steps on one hand-made batch (prompts and completions of uneven lengths), so that the second
-step's policy differs from the reference: DPO's log-ratios and KTO's baseline z_ref are then not 0. Every
-micro-batch size must give the same loss, gradient norm, metrics and weights (gradient accumulation is exact).
+step's policy differs from the reference: DPO's log-ratios and KTO's baseline z_ref are then not 0. Split over
+2 ranks and into micro-batches, the update must give the reference's loss, gradient norm, metrics and weights
+(gradient accumulation is exact).
 """
 
 import pytest
@@ -83,22 +84,28 @@ def reference_run(algorithm: str) -> list[dict]:
     return steps
 
 
-def config(algorithm: str, micro: int):
-    settings = dict(batch_size=PAIRS, micro_batch_size=micro, beta=BETA, steps=2,
-                    optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5))  # fmt: skip
+def config(algorithm: str, micro: int, fsdp_version: int):
+    settings = dict(
+        batch_size=PAIRS,
+        micro_batch_size=micro,
+        beta=BETA,
+        steps=2,
+        fsdp=rlkit.FSDPConfig(version=fsdp_version),
+        optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5),
+    )
     if algorithm == "kto":
         return rlkit.KTOConfig(**settings)
     return rlkit.DPOConfig(**settings, reference_free=algorithm == "dpo-reference-free")
 
 
-def sharded_run(model_dir: str, algorithm: str, micro: int) -> list[dict]:
+def sharded_run(model_dir: str, algorithm: str, micro: int, fsdp_version: int) -> list[dict]:
     """On a worker: two PreferenceWorker updates on this rank's half of the rows; metrics and gathered weights."""
     from rlkit.fsdp import iter_full_params
     from rlkit.runtime import context
     from rlkit.workers import PreferenceWorker
 
     ctx = context()
-    worker = PreferenceWorker(config(algorithm, micro), model_dir)
+    worker = PreferenceWorker(config(algorithm, micro, fsdp_version), model_dir)
     rows, mismatched = kto_rows() if algorithm == "kto" else (dpo_rows(), None)
     share, n = slice(ctx.rank * len(rows) // 2, (ctx.rank + 1) * len(rows) // 2), PAIRS // 2
     mine = None if mismatched is None else mismatched.select(slice(ctx.rank * n, (ctx.rank + 1) * n))
@@ -129,18 +136,24 @@ def noise_level(reference: list[dict], step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("algorithm", ["dpo", "kto", "dpo-reference-free"])
-def test_sharded_update_equals_unsharded_reference_for_every_micro_batch_size(cluster, model_dir, algorithm):
+@pytest.mark.parametrize(
+    ("algorithm", "fsdp_version"), [("dpo", 2), ("kto", 2), ("dpo-reference-free", 2), ("dpo", 1)]
+)
+def test_sharded_update_equals_unsharded_reference_for_every_micro_batch_size(
+    cluster, model_dir, algorithm, fsdp_version
+):
     reference = reference_run(algorithm)
     if algorithm != "dpo-reference-free":  # policy = reference at the first step: every implicit reward is 0
         assert reference[0]["loss"] == pytest.approx(0.6931472 if algorithm == "dpo" else 0.5)  # log 2; 1 - sig(0)
         assert reference[0]["z_ref"] == 0.0 and reference[0]["accuracy"] == 0.0
     if algorithm == "kto":
         assert reference[1]["z_ref"] > 0, "the second step's baseline should not be clamped, or it checks nothing"
-    for micro in (4, 3, 1):
-        for rank, run in enumerate(cluster.run(sharded_run, model_dir, algorithm, micro)):
+    # 4 pairs per rank: micro-batches of 3 + 1 (and for DPO on FSDP2 also 1 + 1 + 1 + 1) against the unsplit reference
+    for micro in (3, 1) if (algorithm, fsdp_version) == ("dpo", 2) else (3,):
+        for rank, run in enumerate(cluster.run(sharded_run, model_dir, algorithm, micro, fsdp_version)):
             for step, (got, expected) in enumerate(zip(run, reference, strict=True)):
-                label, metrics = f"{algorithm} micro={micro} rank={rank} step={step + 1}", got["metrics"]
+                label = f"{algorithm} fsdp{fsdp_version} micro={micro} rank={rank} step={step + 1}"
+                metrics = got["metrics"]
                 assert metrics["actor/loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6), label
                 assert metrics["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), label
                 assert metrics["rewards/accuracy"] == pytest.approx(expected["accuracy"]), label

@@ -126,10 +126,12 @@ def kto_loss(
     return torch.where(desirable.bool(), good, bad), beta * ratio.detach()
 
 
-def kto_sums(rewards: torch.Tensor, desirable: torch.Tensor, z_ref: torch.Tensor | float, beta: float) -> dict:
+def kto_sums(
+    rewards: torch.Tensor, desirable: torch.Tensor, z_ref: torch.Tensor | float, beta: float
+) -> dict[str, Mean]:
     """The sums and counts (detached) behind :func:`kto_metrics` but rewards/margins, which is a difference of
     two means: rewards/chosen over the desirable examples, rewards/rejected over the undesirable ones,
-    rewards/accuracy over all. Shapes: [B] each; returns {name: Mean}."""
+    rewards/accuracy over all. Shapes: [B] each."""
     good, values = desirable.bool(), rewards.detach().float()
     point = beta * torch.as_tensor(z_ref, dtype=values.dtype, device=values.device)
     right = torch.where(good, values > point, values < point)
