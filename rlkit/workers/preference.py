@@ -72,9 +72,9 @@ class PreferenceWorker(ActorRole):
             for index, micro in micro_batches(rows, cfg.micro_batch_size * per_example):
                 # 3. the policy's summed log-probs of the micro-batch's completions, with gradient
                 policy_logps = self._summed_logps(actor.model, micro)
-                reference = None if reference_logps is None else reference_logps[index.to(self.device)]
+                micro_reference_logps = None if reference_logps is None else reference_logps[index.to(self.device)]
                 # 4. the per-example losses and the implicit rewards (pure math in rlkit.algos)
-                losses, micro_metrics = self._losses(policy_logps, reference, micro, z_ref)
+                losses, micro_metrics = self._losses(policy_logps, micro_reference_logps, micro, z_ref)
                 # 5. backward of this micro-batch's share of the batch mean; FSDP sums it with the other ranks'
                 loss = losses.sum() / num_examples
                 loss.backward()
