@@ -22,7 +22,7 @@ from rlkit.config import (
     ValidationConfig,
 )
 from rlkit.runtime import launch
-from rlkit.trainer import Trainer
+from rlkit.trainer import PreferenceTrainer, Trainer
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,7 @@ __all__ = [
     "KTOConfig",
     "OptimConfig",
     "PPOConfig",
+    "PreferenceTrainer",
     "RewardModelConfig",
     "RewardSpec",
     "RolloutConfig",

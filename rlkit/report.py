@@ -8,22 +8,35 @@ from pathlib import Path
 
 import pandas as pd
 
+RL_PANELS = (
+    ("mean reward", ("reward/mean",)),
+    ("KL to reference / approx", ("kl/mean",)),
+    ("response length", ("response/length/mean",)),
+)
+"""The line panels of an RL run's report, each (title, history columns)."""
+PREFERENCE_PANELS = (
+    ("preference accuracy", ("rewards/accuracy",)),
+    ("implicit rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
+    ("loss and gradient norm", ("actor/loss", "actor/grad_norm")),
+)
+"""The line panels of a DPO or KTO run's report (a history with rewards/accuracy)."""
+
 
 def write_report(history: pd.DataFrame, path: str | Path, *, title: str, config: dict) -> Path:
-    """Write reward, KL, length and phase-time curves plus the config to one HTML file; returns its path."""
+    """Write the run's curves (RL: reward, KL, length; DPO/KTO: accuracy, implicit rewards, loss and gradient
+    norm) and seconds per phase, plus the config, to one HTML file; returns its path."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(
-        rows=2,
-        cols=2,
-        subplot_titles=("mean reward", "KL to reference / approx", "response length", "seconds per phase"),
-    )
+    panels = PREFERENCE_PANELS if "rewards/accuracy" in history else RL_PANELS
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[name for name, _ in panels] + ["seconds per phase"])
     x = history["step"]
-    fig.add_trace(go.Scatter(x=x, y=history["reward/mean"], name="reward/mean", mode="lines+markers"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=x, y=history["kl/mean"], name="kl/mean"), row=1, col=2)
-    fig.add_trace(go.Scatter(x=x, y=history["response/length/mean"], name="length/mean"), row=2, col=1)
-    for column in [c for c in history.columns if c.startswith("time/") and c.count("/") == 1 and c != "time/step"]:
+    for i, (_, columns) in enumerate(panels):
+        for column in columns:
+            line = go.Scatter(x=x, y=history[column], name=column, mode="lines+markers")
+            fig.add_trace(line, row=1 + i // 2, col=1 + i % 2)
+    phases = [c for c in history.columns if c.startswith("time/") and c.count("/") == 1 and c != "time/step"]
+    for column in phases or [c for c in history.columns if c.startswith("time/worker/")]:
         fig.add_trace(go.Bar(x=x, y=history[column], name=column), row=2, col=2)
     fig.update_layout(barmode="stack", height=700, title=title)
     body = fig.to_html(full_html=False, include_plotlyjs=True)

@@ -11,7 +11,9 @@ from rlkit.algos import (
     kto_loss,
     kto_metrics,
     kto_mismatched_pairs,
+    kto_sums,
     preference_metrics,
+    preference_sums,
 )
 
 
@@ -128,3 +130,18 @@ def test_kto_matches_loop_reference():
         else:
             expected = 0.7 * (1 - sigmoid(0.2 * (0.3 - r)))
         assert losses[i].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_metric_sums_of_parts_add_up_to_the_whole_batch():
+    """Micro-batches and ranks add their sums and counts: [0.3, -0.2 | 0.1] must give the means of all three."""
+    chosen, rejected = torch.tensor([0.3, -0.2, 0.1]), torch.tensor([0.1, 0.0, 0.4])
+    parts = [preference_sums(chosen[:2], rejected[:2]), preference_sums(chosen[2:], rejected[2:])]
+    whole = preference_metrics(chosen, rejected)
+    for name, mean in whole.items():
+        assert float(sum(p[name].total for p in parts) / sum(p[name].count for p in parts)) == pytest.approx(mean)
+    assert whole["rewards/accuracy"] == pytest.approx(1 / 3)  # only 0.3 > 0.1
+    rewards, desirable = torch.tensor([0.2, -0.4, 0.1, 0.6]), torch.tensor([True, False, False, True])
+    sums = kto_sums(rewards, desirable, 1.0, beta=0.1)  # the baseline point beta * z_ref = 0.1
+    assert (float(sums["rewards/chosen"].total), int(sums["rewards/chosen"].count)) == pytest.approx((0.8, 2))
+    assert (float(sums["rewards/rejected"].total), int(sums["rewards/rejected"].count)) == pytest.approx((-0.3, 2))
+    assert float(sums["rewards/accuracy"].total) == 3  # 0.2 > 0.1, -0.4 < 0.1, 0.6 > 0.1; 0.1 is not below 0.1

@@ -41,3 +41,27 @@ def test_a_setting_that_will_not_fit_is_warned_before_launch_with_the_fix(tmp_pa
     assert main(["train", str(config), "--steps", "1", "--report", str(tmp_path / "r.html")]) == 0
     captured = capsys.readouterr()
     assert "memory-will-not-fit" in captured.err and "fix:" in captured.err
+
+
+@pytest.mark.timeout(300)
+def test_train_runs_dpo_from_a_toml_with_pairs_beside_it(tmp_path, capsys):
+    import pandas as pd
+
+    from rlkit.data.preferences import SHIPPED_DIR
+
+    pd.read_parquet(SHIPPED_DIR / "dpo.parquet").head(16).to_parquet(tmp_path / "pairs.parquet")
+    config = tmp_path / "dpo.toml"
+    config.write_text(
+        'algorithm = "dpo"\nmodel = "tiny"\ntrain_files = "pairs.parquet"\nbatch_size = 8\nbeta = 0.5\n'
+        f'run_dir = "{tmp_path / "runs"}"\n[optim]\nlr = 2e-4\n'
+    )
+    report = tmp_path / "r.html"
+    assert main(["train", str(config), "--steps", "3", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "dpo examples: 16 from train_files" in out and str(tmp_path / "pairs.parquet") in out
+    steps = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\d\.\d{3}\s+-?\d\.\d{3}\s", line)]
+    assert len(steps) == 3 and steps[0].split()[1:4] == ["0.000", "0.000", "0.6931"], out
+    assert "preference accuracy: first 3 steps" in out
+    assert "rewards/accuracy" in report.read_text()
+    assert main(["train", str(config), "--rollout", "vllm"]) == 2
+    assert "DPO samples nothing (no rollout)" in capsys.readouterr().err

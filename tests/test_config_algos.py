@@ -5,7 +5,16 @@ import inspect
 import pytest
 
 from rlkit import algos
-from rlkit.config import ConfigError, DPOConfig, GRPOConfig, KTOConfig, OptimConfig, PPOConfig, RolloutConfig
+from rlkit.config import (
+    ConfigError,
+    DPOConfig,
+    GRPOConfig,
+    KTOConfig,
+    OptimConfig,
+    PPOConfig,
+    RolloutConfig,
+    config_from_toml,
+)
 
 
 def test_new_rl_defaults_are_valid_and_match_the_functions():
@@ -89,7 +98,7 @@ def test_preference_defaults_and_round_trip(tmp_path):
         assert type(cfg).from_dict(cfg.to_dict()) == cfg
     path = tmp_path / "dpo.toml"
     path.write_text('algorithm = "dpo"\nbeta = 0.2\nlabel_smoothing = 0.1\n[optim]\nlr = 5e-7\n')
-    cfg = DPOConfig.from_toml(path)
+    cfg = config_from_toml(path)
     assert (cfg.beta, cfg.label_smoothing, cfg.optim) == (0.2, 0.1, OptimConfig(lr=5e-7))
     assert DPOConfig(optim={"lr": 2e-6}).optim == OptimConfig(lr=2e-6)
     with pytest.raises(ConfigError, match='algorithm="kto" given to DPOConfig'):

@@ -41,7 +41,9 @@ from rlkit.algos.preference import (
     kto_loss,
     kto_metrics,
     kto_mismatched_pairs,
+    kto_sums,
     preference_metrics,
+    preference_sums,
 )
 
 __all__ = [
@@ -75,6 +77,7 @@ __all__ = [
     "kto_loss",
     "kto_metrics",
     "kto_mismatched_pairs",
+    "kto_sums",
     "loss_weights",
     "mask_truncated",
     "masked_mean",
@@ -84,6 +87,7 @@ __all__ = [
     "policy_objective",
     "ppo_clip_policy_loss",
     "preference_metrics",
+    "preference_sums",
     "reinforce_baseline_advantages",
     "rloo_advantages",
     "token_mean",

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from rlkit.algos.metrics import Mean
+
 DPO_LOSSES = ("sigmoid", "ipo")
 
 
@@ -60,15 +62,23 @@ def dpo_loss(
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
+def preference_sums(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, Mean]:
+    """:func:`preference_metrics` as sums and counts over the pairs (detached), so that micro-batches and ranks
+    add up before one division. Shapes: [B] each."""
+    chosen, rejected = chosen_rewards.detach().float(), rejected_rewards.detach().float()
+    pairs = chosen.numel()
+    return {
+        "rewards/chosen": Mean(chosen.sum(), pairs),
+        "rewards/rejected": Mean(rejected.sum(), pairs),
+        "rewards/margins": Mean((chosen - rejected).sum(), pairs),
+        "rewards/accuracy": Mean((chosen > rejected).sum(), pairs),
+    }
+
+
 def preference_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, float]:
     """Means over the pairs: rewards/chosen, rewards/rejected, rewards/margins (chosen - rejected) and
     rewards/accuracy (the share of pairs whose chosen reward is strictly higher). Shapes: [B] each."""
-    return {
-        "rewards/chosen": float(chosen_rewards.float().mean()),
-        "rewards/rejected": float(rejected_rewards.float().mean()),
-        "rewards/margins": float((chosen_rewards - rejected_rewards).float().mean()),
-        "rewards/accuracy": float((chosen_rewards > rejected_rewards).float().mean()),
-    }
+    return {name: float(m.total / m.count) for name, m in preference_sums(chosen_rewards, rejected_rewards).items()}
 
 
 def kto_mismatched_pairs(n: int) -> torch.Tensor:
@@ -116,19 +126,26 @@ def kto_loss(
     return torch.where(desirable.bool(), good, bad), beta * ratio.detach()
 
 
+def kto_sums(
+    rewards: torch.Tensor, desirable: torch.Tensor, z_ref: torch.Tensor | float, beta: float
+) -> dict[str, Mean]:
+    """The sums and counts (detached) behind :func:`kto_metrics` but rewards/margins, which is a difference of
+    two means: rewards/chosen over the desirable examples, rewards/rejected over the undesirable ones,
+    rewards/accuracy over all. Shapes: [B] each."""
+    good, values = desirable.bool(), rewards.detach().float()
+    point = beta * torch.as_tensor(z_ref, dtype=values.dtype, device=values.device)
+    right = torch.where(good, values > point, values < point)
+    return {
+        "rewards/chosen": Mean(values[good].sum(), good.sum()),
+        "rewards/rejected": Mean(values[~good].sum(), (~good).sum()),
+        "rewards/accuracy": Mean(right.sum(), values.numel()),
+    }
+
+
 def kto_metrics(rewards: torch.Tensor, desirable: torch.Tensor, z_ref: torch.Tensor | float, beta: float) -> dict:
     """rewards/chosen and rewards/rejected (mean reward of the desirable and the undesirable examples; nan when
     there are none), rewards/margins (their difference), rewards/accuracy (the share of examples on their
     label's side of the baseline: beta * r > beta * z_ref when desirable, < when not) and kto/z_ref."""
-    good = desirable.bool()
-    point = beta * float(z_ref)
-    chosen = float(rewards[good].float().mean()) if good.any() else math.nan
-    rejected = float(rewards[~good].float().mean()) if (~good).any() else math.nan
-    right = torch.where(good, rewards > point, rewards < point)
-    return {
-        "rewards/chosen": chosen,
-        "rewards/rejected": rejected,
-        "rewards/margins": chosen - rejected,
-        "rewards/accuracy": float(right.float().mean()),
-        "kto/z_ref": float(z_ref),
-    }
+    sums = kto_sums(rewards, desirable, z_ref, beta)
+    means = {name: float(m.total / m.count) if m.count else math.nan for name, m in sums.items()}
+    return {**means, "rewards/margins": means["rewards/chosen"] - means["rewards/rejected"], "kto/z_ref": float(z_ref)}

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 from rlkit.algos.preference import DPO_LOSSES
 from rlkit.config.checks import ConfigError, need
+from rlkit.config.data import trackers_problems
+from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import CheckpointConfig, FSDPConfig, OptimConfig
 from rlkit.config.tables import from_table
 
@@ -30,6 +32,11 @@ class PreferenceConfig:
     """"tiny" (the bundled model) or a local Hugging Face model directory; the reference is a frozen copy."""
     seed: int = 0
     """Seed for shuffling and initialisation; same seed, same run."""
+    train_files: list[str] = field(default_factory=list)
+    """The examples: .parquet, .jsonl/.json, .csv files or ``datasets`` save_to_disk folders (a string or a list;
+    their rows are concatenated), with the columns prompt/chosen/rejected (DPO) or prompt/completion/label (KTO).
+    Relative paths are looked up next to the TOML file, then in the working directory. Empty: the examples
+    passed in Python (``PreferenceTrainer(pairs=...)``), or with model="tiny" the shipped addition set."""
     steps: int = 50
     """Steps (optimizer steps) that ``fit()`` runs by default, >= 1."""
     batch_size: int = 16
@@ -50,8 +57,16 @@ class PreferenceConfig:
     """Sharding settings (policy and reference)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint settings."""
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers that get every metric, the config and each step's examples with their rewards: any of
+    "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
+    run_dir: str = "runs"
+    """Folder of the runs' own files: each trainer writes into ``run_dir/<algorithm>-<date>-<time>/`` (tracker
+    files; with ``rlkit train`` also ``history.csv``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.train_files, str):
+            self.train_files = [self.train_files]
         for name, kind in (("optim", OptimConfig), ("fsdp", FSDPConfig), ("checkpoint", CheckpointConfig)):
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -71,15 +86,32 @@ class PreferenceConfig:
         need(p, self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
         need(p, self.max_completion_tokens >= 1, f"max_completion_tokens={self.max_completion_tokens}: must be >= 1")
         need(p, self.beta > 0, f"beta={self.beta}: must be > 0, e.g. 0.1")
-        p += self._algorithm_problems()
+        need(
+            p,
+            isinstance(self.train_files, list) and all(isinstance(x, str) and x.strip() for x in self.train_files),
+            f"train_files={self.train_files!r}: give a path or a list of paths (each a non-empty string)",
+        )
+        p += self._algorithm_problems() + trackers_problems(self.trackers)
         return p + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
 
     def _algorithm_problems(self) -> list[str]:
         return []
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares with a frozen reference (the workers then load one)."""
+        return True
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Completions scored per example: 2 for a DPO pair (chosen, rejected), 1 for a KTO example."""
+        return 1
+
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
-        """Raise ConfigError if the batch does not divide across ``world_size`` ranks or FSDP settings do not fit."""
+        """Raise ConfigError if the batch does not divide across ``world_size`` ranks, FSDP settings do not fit, a
+        tracker is not installed, or the model's family cannot be sharded (rlkit.models.check_model_family)."""
         p = self.fsdp.cluster_problems(world_size, device)
+        p += tracker_install_problems(self.trackers) + torch_companion_problems() + self._model_family_problems(device)
         need(
             p,
             self.batch_size % world_size == 0,
@@ -92,6 +124,14 @@ class PreferenceConfig:
     def _cluster_problems(self, world_size: int) -> list[str]:
         return []
 
+    def _model_family_problems(self, device: str) -> list[str]:
+        """What the model directory lacks for FSDP (imports transformers; no rollout engine here)."""
+        from rlkit.models.families import check_model_family
+        from rlkit.models.tiny import TINY_MODEL_DIR
+
+        model_dir = TINY_MODEL_DIR if self.model == "tiny" else Path(self.model)
+        return check_model_family(model_dir, engine="hf", device=device, trust_remote_code=self.trust_remote_code)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-able), with ``algorithm`` naming the class."""
         return {"algorithm": self.algorithm, **dataclasses.asdict(self)}
@@ -103,7 +143,6 @@ class PreferenceConfig:
         if algorithm != cls.algorithm:
             raise ConfigError([f'algorithm="{algorithm}" given to {cls.__name__}: use the config of that algorithm'])
         return from_table(cls, data, "")
-
 
 
 @dataclass(kw_only=True)
@@ -136,6 +175,14 @@ class DPOConfig(PreferenceConfig):
             f'label_smoothing={self.label_smoothing} with loss="ipo": label smoothing is for "sigmoid"; set it to 0',
         )
         return p
+
+    @property
+    def needs_reference(self) -> bool:
+        return not self.reference_free
+
+    @property
+    def sequences_per_example(self) -> int:
+        return 2
 
 
 @dataclass(kw_only=True)

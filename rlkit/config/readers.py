@@ -33,8 +33,9 @@ def config_from_dict(data: dict[str, Any]) -> Any:
 def config_from_toml(path: str | Path) -> Any:
     """Read a TOML config (``algorithm = "ppo"`` at the top selects PPOConfig; default "grpo").
 
-    Relative file paths in ``[data]`` and ``[[rewards]]`` are taken from the TOML file's folder when
-    something is there, else left to the working directory, so a run's files can sit beside its config.
+    Relative file paths in ``[data]``, ``[[rewards]]`` and a preference config's ``train_files`` are taken from
+    the TOML file's folder when something is there, else left to the working directory, so a run's files can
+    sit beside its config.
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -48,15 +49,19 @@ def _beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
         candidate = folder / name
         return str(candidate.resolve()) if not Path(name).is_absolute() and candidate.exists() else name
 
+    def resolve_files(table: dict[str, Any], key: str) -> None:
+        value = table.get(key)
+        if isinstance(value, str):
+            table[key] = resolve(value)
+        elif isinstance(value, list):
+            table[key] = [resolve(v) if isinstance(v, str) else v for v in value]
+
     data = dict(data)
+    resolve_files(data, "train_files")  # DPO and KTO name their examples at the top level
     if isinstance(data.get("data"), dict):
         table = dict(data["data"])
         for key in ("train_files", "val_files"):
-            value = table.get(key)
-            if isinstance(value, str):
-                table[key] = resolve(value)
-            elif isinstance(value, list):
-                table[key] = [resolve(v) if isinstance(v, str) else v for v in value]
+            resolve_files(table, key)
         data["data"] = table
     rewards = data.get("rewards")
     if isinstance(rewards, list):

@@ -1,8 +1,9 @@
-"""The controller: phase orchestration (Trainer), the step's metrics row, checkpoints on disk.
+"""The controller: phase orchestration (Trainer, PreferenceTrainer), the step's metrics row, checkpoints on disk.
 
 Nothing here runs on the workers: the rank-side roles are in rlkit.workers.
 """
 
+from rlkit.trainer.preference import PreferenceTrainer
 from rlkit.trainer.trainer import Trainer
 
-__all__ = ["Trainer"]
+__all__ = ["PreferenceTrainer", "Trainer"]

@@ -9,7 +9,7 @@ import torch
 
 from rlkit.algos import mask_truncated
 from rlkit.data.batch import Batch
-from rlkit.workers import CriticRows, PolicyRows, RolloutResult
+from rlkit.workers import CriticRows, PolicyRows, PreferenceRows, RolloutResult
 
 
 def tokenize_prompts(
@@ -84,4 +84,24 @@ def critic_rows(shard: Batch) -> CriticRows:
         response_mask=shard.response_mask,
         old_values=shard.values,
         returns=shard.returns,
+    )
+
+
+def preference_rows(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, desirable: list[bool] | None = None
+) -> PreferenceRows:
+    """One row per (prompt ids, completion ids): [n, P + T], each prompt left-padded to the longest P and each
+    completion right-padded to the longest T; ``desirable`` gives KTO's labels."""
+    width_p, width_t = max(map(len, prompts)), max(map(len, completions))
+    input_ids = torch.full((len(prompts), width_p + width_t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        start, end = width_p - len(prompt), width_p + len(completion)
+        input_ids[i, start:end] = torch.tensor(prompt + completion)
+        attention_mask[i, start:end] = 1
+    return PreferenceRows(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=attention_mask[:, width_p:].float(),
+        desirable=None if desirable is None else torch.tensor(desirable, dtype=torch.bool),
     )

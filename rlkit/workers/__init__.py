@@ -1,13 +1,14 @@
-"""What runs on every rank: the policy, critic and reward-model roles, and the batches and metrics they share.
+"""What runs on every rank: the policy, preference, critic and reward-model roles, their batches and metrics.
 
 The controller (rlkit.trainer) builds each role on all ranks with rlkit.runtime.RoleGroup and calls
 its methods by name; every module here runs on the workers, never in the kernel.
 """
 
-from rlkit.workers.batches import CriticRows, PolicyRows
+from rlkit.workers.batches import CriticRows, PolicyRows, PreferenceRows
 from rlkit.workers.critic import CriticWorker
-from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult, ValuesResult
+from rlkit.workers.messages import PreferenceResult, RolloutResult, SampleResult, UpdateResult, ValuesResult
 from rlkit.workers.policy import PolicyWorker
+from rlkit.workers.preference import PreferenceWorker
 from rlkit.workers.reward_model import RewardModelWorker
 
 __all__ = [
@@ -15,6 +16,9 @@ __all__ = [
     "CriticWorker",
     "PolicyRows",
     "PolicyWorker",
+    "PreferenceResult",
+    "PreferenceRows",
+    "PreferenceWorker",
     "RewardModelWorker",
     "RolloutResult",
     "SampleResult",

@@ -74,6 +74,18 @@ class CriticRows(Rows):
     """[n, T] the value targets."""
 
 
+@dataclass(kw_only=True)
+class PreferenceRows(Rows):
+    """One rank's completions for a preference update, one per row: prompt (left-padded), completion (right-padded).
+
+    DPO: two rows per pair, its chosen completion then its rejected one (rows 2i and 2i + 1); KTO: one row per
+    example. ``response_mask`` marks the completion's tokens, its end-of-text token included.
+    """
+
+    desirable: torch.Tensor | None = None
+    """[n] bool, KTO's labels (True: desirable); None for DPO."""
+
+
 def mini_batches(rows: RowsT, count: int) -> Iterator[RowsT]:
     """``count`` equal consecutive slices of ``rows`` (one optimizer step each); len(rows) must divide."""
     if len(rows) % count:

@@ -61,3 +61,17 @@ class ValuesResult(PhaseReport):
 
     values: torch.Tensor
     """[n, T] float32 V(s_t) per response token (0 where masked)."""
+
+
+@dataclass(kw_only=True)
+class PreferenceResult(PhaseReport):
+    """One preference update (one optimizer step) on one rank."""
+
+    metrics: dict[str, float]
+    """rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracy (the implicit rewards before the step;
+    KTO adds kto/z_ref, DPO logps/chosen and logps/rejected), actor/loss, actor/grad_norm and actor/lr: reduced
+    over all ranks, identical on every rank."""
+    policy_logps: torch.Tensor
+    """[n] float32 summed completion log-probs of this rank's rows under the policy before the step."""
+    reference_logps: torch.Tensor | None
+    """[n] float32 the same under the frozen reference (None: reference-free DPO)."""

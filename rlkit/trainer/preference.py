@@ -1,0 +1,174 @@
+"""The controller's view of offline preference training (DPO, KTO): one optimizer step per call of ``step()``.
+
+Each step takes the next ``batch_size`` examples (shuffled per epoch, the position kept in checkpoints),
+pads them into rows, splits the rows evenly over the ranks and calls :meth:`PreferenceWorker.update` on
+every rank: the reference's log-probs, the policy's forward/backward over micro-batches, the clip by the
+true global norm and the optimizer step. The history, trackers, fit loop and diagnostics (sharding, memory,
+grad_norms, lint) are :class:`~rlkit.trainer.base.PolicyTrainerBase`'s, as for the RL trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from rlkit.algos import kto_mismatched_pairs
+from rlkit.config import PreferenceConfig, config_from_dict
+from rlkit.data.files import PromptInput
+from rlkit.data.preferences import load_preferences
+from rlkit.models import load_tokenizer, resolve_model_dir
+from rlkit.runtime import Cluster, PerRank, RoleGroup
+from rlkit.trainer import checkpoints
+from rlkit.trainer.assemble import preference_rows
+from rlkit.trainer.base import PolicyTrainerBase
+from rlkit.workers import PreferenceResult, PreferenceRows, PreferenceWorker
+
+logger = logging.getLogger(__name__)
+
+
+class PreferenceTrainer(PolicyTrainerBase):
+    """DPO (and IPO, reference-free DPO) or KTO, by the config's class, on a launched cluster.
+
+    ``pairs``: a ``datasets.Dataset`` or a list of dicts with the columns prompt / chosen / rejected (DPO) or
+    prompt / completion / label (KTO); files go in ``config.train_files``; with model="tiny" and neither,
+    the shipped addition set. Every problem of the config and the data is reported before any model loads.
+
+    :meth:`step` is one optimizer step on ``config.batch_size`` examples; :meth:`fit` runs steps with a
+    progress bar; :attr:`history` holds one row of metrics per step: rewards/chosen, rewards/rejected,
+    rewards/margins, rewards/accuracy (the implicit rewards beta * log(pi / pi_ref) of the step's batch,
+    measured before its update), actor/loss, actor/grad_norm, actor/lr, KTO's kto/z_ref, times and memory.
+    """
+
+    progress_metric = "rewards/accuracy"
+
+    def __init__(self, cluster: Cluster, config: PreferenceConfig, *, pairs: PromptInput | None = None):
+        config.check_cluster(cluster.world_size, cluster.device)
+        self.config: PreferenceConfig = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
+        self._examples, summary = load_preferences(config, self.tokenizer, pairs=pairs)
+        self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
+        logger.info("%s", summary)
+        self._last: tuple[list[dict[str, Any]], list[PreferenceResult]] | None = None
+        self._policy = RoleGroup(cluster, PreferenceWorker, config, str(self.model_dir))
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step on the next ``batch_size`` examples over all ranks; appends a row to
+        :attr:`history` and returns it."""
+        cfg = self.config
+        if self.steps_done == cfg.steps:
+            logger.warning(
+                "step %d is past config.steps=%d, which the learning-rate schedule spans: it holds its last value",
+                self.steps_done + 1,
+                cfg.steps,
+            )
+        start = time.perf_counter()
+        self._phase_times, self._worker_times = {}, {}
+        items = self._examples.next(cfg.batch_size)
+        rows, mismatched = self._rank_rows(items)
+        results = self._policy.call(PreferenceWorker.update, PerRank(rows), PerRank(mismatched))
+        self._record("update", start, results)
+        self.steps_done += 1
+        self._last = (items, results)
+        norms = [r.metrics["actor/grad_norm"] for r in results]
+        seconds = time.perf_counter() - start
+        row: dict[str, float] = {
+            "step": self.steps_done,
+            **results[0].metrics,
+            "actor/grad_norm_rank_spread": max(norms) - min(norms),
+            "perf/tokens_per_s": sum(int(r.attention_mask.sum()) for r in rows) / seconds,
+            "time/step": seconds,
+            **{f"time/worker/{name}": value for name, value in self._worker_times.items()},
+        }
+        for rank, memory in enumerate(self._memory):
+            row.update({f"memory/rank{rank}/{kind}_mb": mib for kind, mib in memory.items()})
+        self._append_row(row, self.examples)
+        return row
+
+    def _rank_rows(self, items: list[dict[str, Any]]) -> tuple[list[PreferenceRows], list[PreferenceRows | None]]:
+        """Each rank's share of the rows of ``items``, and of KTO's mismatched pairs (prompt i, completion i - 1)."""
+        pad, ranks = self.tokenizer.pad_token_id, self.cluster.world_size
+        prompts = [item["prompt_ids"] for item in items for _ in item["completion_ids"]]
+        completions = [ids for item in items for ids in item["completion_ids"]]
+        labels = [item["label"] for item in items] if "label" in items[0] else None
+        rows = _split(preference_rows(prompts, completions, pad, labels), ranks)
+        if labels is None:
+            return rows, [None] * ranks
+        shifted = [completions[j] for j in kto_mismatched_pairs(len(items)).tolist()]
+        return rows, [*_split(preference_rows(prompts, shifted, pad), ranks)]
+
+    def examples(self) -> pd.DataFrame:
+        """The last step's examples, one row each, with their summed log-probs under the policy (before the
+        step) and the reference, and their implicit rewards beta * (policy - reference); empty before a step."""
+        if self._last is None:
+            return pd.DataFrame()
+        items, results = self._last
+        per_example = self.config.sequences_per_example
+        policy = torch.cat([r.policy_logps for r in results]).view(len(items), per_example)
+        reference = torch.zeros_like(policy)
+        if results[0].reference_logps is not None:
+            reference = torch.cat([r.reference_logps for r in results if r.reference_logps is not None])
+            reference = reference.view(len(items), per_example)
+        rewards = self.config.beta * (policy - reference)
+        names = ["chosen", "rejected"] if per_example == 2 else ["completion"]
+        table = pd.DataFrame({"prompt": [item["prompt"] for item in items]})
+        for k, name in enumerate(names):
+            table[name] = [item["completions"][k] for item in items]
+            table[f"logps/{name}"] = policy[:, k].tolist()
+            table[f"reference_logps/{name}"] = reference[:, k].tolist()
+            table[f"reward/{name}"] = rewards[:, k].tolist()
+        if "label" in items[0]:
+            table["label"] = [item["label"] for item in items]
+        return table
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a checkpoint of this step into the folder ``path`` (as ``path/step-<N>``); returns its path.
+
+        Atomic: it appears only when complete. All but the newest ``config.checkpoint.keep_last`` are dropped.
+        """
+        partial = checkpoints.partial_dir(Path(path), self.steps_done)
+        self._policy.call(PreferenceWorker.save, str(partial), self.config.checkpoint.export_hf)
+        meta = {
+            "config": self.config.to_dict(),
+            "steps_done": self.steps_done,
+            "examples": self._examples.state_dict(),
+            "history": self._rows,
+        }
+        return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+
+    @classmethod
+    def resume(
+        cls, cluster: Cluster, path: str | os.PathLike, *, pairs: PromptInput | None = None
+    ) -> PreferenceTrainer:
+        """A trainer continuing from a checkpoint (``path`` itself or the latest complete one under it).
+
+        The policy's weights, optimizer, schedule, RNG, step count, position in the examples and history are
+        restored (the reference is the model directory's, frozen); Python data is not stored, so pass ``pairs``
+        again unless the run read ``train_files`` or the shipped set.
+        """
+        checkpoint = checkpoints.resolve(path)
+        meta = checkpoints.read_meta(checkpoint)
+        config = config_from_dict(meta["config"])
+        if not isinstance(config, PreferenceConfig):
+            raise ValueError(f"{checkpoint} is a checkpoint of a {config.algorithm} run: use rlkit.Trainer.resume")
+        trainer = cls(cluster, config, pairs=pairs)
+        trainer._policy.call(PreferenceWorker.load, str(checkpoint))
+        trainer.steps_done = meta["steps_done"]
+        trainer._rows = meta["history"]
+        trainer._examples.load_state_dict(meta["examples"])
+        logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
+        return trainer
+
+
+def _split(rows: PreferenceRows, ranks: int) -> list[PreferenceRows]:
+    """``ranks`` equal consecutive shares of ``rows`` (the config checked that the batch divides)."""
+    size = len(rows) // ranks
+    return [rows.select(slice(r * size, (r + 1) * size)) for r in range(ranks)]
