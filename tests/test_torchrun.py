@@ -56,7 +56,8 @@ def test_calls_errors_hangs_and_status_through_the_torchrun_backend(tmp_path):
     seen = json.loads(out.read_text())
     assert seen["world_size"] == 2 and seen["device"] == "cpu"
     assert [r[:2] for r in seen["ranks"]] == [[0, 2], [1, 2]] and seen["ranks"][0][2] != seen["ranks"][1][2]
-    assert seen["doubled"], "a 12 MiB tensor (in chunks) and a small one did not come back doubled"
+    assert seen["shares_memory"] == [True, False], "rank 1 should have taken the path of another node's ranks"
+    assert seen["doubled"], "12 MiB tensors (in files for rank 0, in chunks of the store for rank 1) came back wrong"
     assert seen["reduced"][0] == seen["reduced"][1] == 3 * 2**20 + 5, "the all-reduce of the ranks' sizes"
     assert seen["error"].startswith("rank 1 (host") and "ValueError: rank 1 says no" in seen["error"]
     assert seen["hung"]["ranks"] == [1] and not seen["hung"]["broken"] and "time.sleep(600)" in seen["hung"]["stack"]

@@ -1,6 +1,8 @@
 """Run under torchrun by tests/test_torchrun.py: ``torchrun --standalone --nproc_per_node=2 tests/torchrun_probe.py
 OUT.json [die]``. Rank 0 drives a cluster of both ranks through the torchrun backend and writes what it saw to
-OUT.json; with "die", rank 1 kills itself in the middle of a call instead."""
+OUT.json; with "die", rank 1 kills itself in the middle of a call instead. Rank 1 acts as if it ran on another
+node (it does not see the controller's shared memory), so its tensors travel through torchrun's store while
+rank 0's travel in shared-memory files."""
 
 from __future__ import annotations
 
@@ -46,8 +48,11 @@ def probe(cluster: Cluster) -> dict:
     seen: dict = {"world_size": cluster.world_size, "device": cluster.device}
     seen["ranks"] = cluster.run(lambda: (context().rank, context().world_size, os.getpid()))
     big = torch.arange(BIG, dtype=torch.float32)
-    results = cluster.run(double_and_reduce, PerRank([big, torch.ones(5)]))
-    seen["doubled"] = torch.equal(results[0][0], 2 * big) and torch.equal(results[1][0], 2 * torch.ones(5))
+    results = cluster.run(double_and_reduce, PerRank([torch.ones(5), big]))
+    seen["doubled"] = torch.equal(results[0][0], 2 * torch.ones(5)) and torch.equal(results[1][0], 2 * big)
+    shared = cluster.run(double_and_reduce, -big)  # one tensor for both ranks
+    seen["doubled"] &= all(torch.equal(r[0], -2 * big) for r in shared)
+    seen["shares_memory"] = [row["shares_memory"] for row in cluster._backend._infos]
     seen["reduced"] = [r[1] for r in results]
     try:
         cluster.run(fail_on_rank_1)
@@ -67,6 +72,7 @@ def probe(cluster: Cluster) -> dict:
 
 def main() -> int:
     if torchrun.rank() > 0:
+        torchrun.shares_memory = lambda probe: False  # as on another node
         return torchrun.serve()
     out, action = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "probe"
     if action == "die":

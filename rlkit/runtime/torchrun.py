@@ -9,12 +9,16 @@ main thread serves rank 0's calls; every other rank only serves (:func:`serve`).
 backends, and each rank runs them with its ``WorkerCore`` on its main thread, so cancelling, hang
 reports and out-of-memory reports work as there.
 
-What is torchrun's business: the rendezvous and its store (which rlkit reuses, under its own prefix,
-for its messages), starting and stopping the processes, restarting them (rlkit does not resume by
-itself: use checkpoints), and each rank's output (the terminal, or ``--log-dir``; worker log lines
-carry ``[rank N]``). When all ranks are on one node, gloo's and NCCL's sockets are put on the loopback
-interface (unless GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME are set), so rlkit opens nothing beyond
-loopback; torchrun's store listens where torchrun puts it, without a secret.
+Messages go through torchrun's store (which rlkit reuses, under its own prefix); tensors through
+shared-memory files for the ranks on rank 0's machine, and through the store for the others
+(:mod:`rlkit.runtime.torchrun_backend`).
+
+What is torchrun's business: the rendezvous and its store, starting and stopping the processes,
+restarting them (rlkit does not resume by itself: use checkpoints), and each rank's output (the
+terminal, or ``--log-dir``; worker log lines carry ``[rank N]``). When all ranks are on one node,
+gloo's and NCCL's sockets are put on the loopback interface (unless GLOO_SOCKET_IFNAME or
+NCCL_SOCKET_IFNAME is set), so rlkit opens nothing beyond loopback; torchrun's store listens where
+torchrun puts it, without a secret.
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ def run_controller(
     def control() -> None:
         try:
             backend = partial(TorchrunBackend, device=device, timeout=timeout)
-            with Cluster(lambda _: backend(), hang_timeout=hang_timeout, call_timeout=call_timeout) as cluster:
+            with Cluster(lambda cid: backend(cluster_id=cid), hang_timeout=hang_timeout,
+                         call_timeout=call_timeout) as cluster:  # fmt: skip
                 outcome["value"] = main(cluster)
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             outcome["error"] = exc
@@ -119,20 +124,27 @@ def serve() -> int:
     msg = inbox.next()
     if msg[0] != "init":  # stopped before start-up finished
         return 0
+    config = msg[1]
     try:
-        ctx = core.join({"device": msg[1]["device"], "sys_path": list(sys.path), "env": _socket_env()})
+        ctx = core.join({"device": config["device"], "sys_path": list(sys.path), "env": _socket_env()})
     except Exception as exc:  # noqa: BLE001 - reported to the controller, which raises it
         store_channel.put_object(store, f"ready/{me}", ("failed", error_info(exc)))
         return 1
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(ctx.device)}
+    shm_prefix = config["shm_prefix"] if shares_memory(config["probe"]) else None
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(ctx.device),
+            "shares_memory": shm_prefix is not None}  # fmt: skip
     store_channel.put_object(store, f"ready/{me}", ("ready", info))
-    threading.Thread(target=_control, args=(core,), name="rlkit-control", daemon=True).start()
+    stop = threading.Event()
+    control = threading.Thread(target=_control, args=(core, stop), name="rlkit-control", daemon=True)
+    control.start()
     while (msg := inbox.next())[0] == "call":
         _, call_id, data, keys = msg
-        ok, reply = core.execute(call_id, partial(_load, store, data, keys), transport.OutOfBand().dumps)
+        ok, reply = core.execute(call_id, partial(_load, store, data, keys), partial(_dump, shm_prefix))
         parts = [pickle.dumps((True, reply[0])), *reply[1]] if ok else [pickle.dumps((False, reply))]
         store_channel.put(store, f"out/{me}/{call_id}", parts)
         store.add(f"done/{call_id}", 1)
+    stop.set()
+    control.join()  # no thread may be inside a store request when the interpreter exits
     close_state(ctx)
     dist.destroy_process_group()
     return 0
@@ -165,19 +177,38 @@ def _load(store: dist.Store, data: bytes, keys: list[str]) -> LoadedCall:
     return transport.loads(data, buffers)
 
 
-def _control(core: WorkerCore) -> None:
+def shares_memory(probe: str) -> bool:
+    """Whether this rank is on the controller's machine (it sees the controller's ``probe`` file in /dev/shm):
+    then its tensors travel in shared-memory files, else through the store."""
+    return os.path.exists(probe)
+
+
+def _dump(shm_prefix: str | None, result: Any) -> tuple[bytes, list[Any]]:
+    """The pickled result and the tensor buffers that go through the store: none with ``shm_prefix`` (the
+    tensors go into files there, which the controller unlinks once it has mapped them)."""
+    if shm_prefix is None:
+        return transport.OutOfBand().dumps(result)
+    files = transport.TensorFiles(shm_prefix, reader_unlinks=True)
+    try:
+        return transport.dumps(result, files), []
+    except BaseException:
+        files.remove()
+        raise
+
+
+def _control(core: WorkerCore, stop: threading.Event) -> None:
     """Heartbeats, and the controller's cancel and stacks requests, while the main thread runs calls;
-    ends when the store goes away (torchrun is tearing the job down)."""
+    ends when ``stop`` is set or the store goes away (torchrun is tearing the job down)."""
     store = store_channel.connect()
     seq, beat = 0, 0.0
-    while True:
+    while not stop.is_set():
         try:
             if time.monotonic() - beat >= HEARTBEAT_S:
                 store.set(f"beat/{core.rank}", f"{time.time()} {rss_mb()}")
                 beat = time.monotonic()
             key = f"ctl/{core.rank}/{seq}"
             if not store.check([key]):
-                time.sleep(CONTROL_EVERY_S)
+                stop.wait(CONTROL_EVERY_S)
                 continue
             msg = store_channel.get_object(store, key, delete=True)
             seq += 1
