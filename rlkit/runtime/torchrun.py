@@ -80,9 +80,11 @@ def run_controller(
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S,
     call_timeout: float | None = None,
 ) -> T:
-    """On rank 0: ``main(cluster)`` in a thread, on a ``Cluster`` of every rank, while this (main) thread
-    serves rank 0's calls. Returns what ``main`` returned (or raises what it raised) once every rank has
-    been told to leave. ``device``, ``timeout``, ``hang_timeout`` and ``call_timeout`` are ``rlkit.launch``'s.
+    """On rank 0, from the main thread: ``main(cluster)`` in a thread, on a ``Cluster`` of every rank, while
+    the main thread serves rank 0's calls. Returns what ``main`` returned (or raises what it raised) once every
+    rank has been told to leave. ``device``, ``timeout``, ``hang_timeout`` and ``call_timeout`` are
+    ``rlkit.launch``'s. If rank 0's own worker is still stuck in a call ``EXIT_GRACE_S`` after ``main`` ended,
+    the process exits with code 1 (torchrun then stops the other ranks).
     """
     outcome: dict[str, Any] = {}
     served = threading.Event()
@@ -96,7 +98,8 @@ def run_controller(
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             outcome["error"] = exc
         if not served.wait(EXIT_GRACE_S):
-            logger.error("rank 0's worker is still in a call %g s after the controller finished; exiting", EXIT_GRACE_S)
+            logger.error("rank 0's worker is still in a call %g s after the controller finished; exiting",
+                         EXIT_GRACE_S, exc_info=outcome.get("error"))  # fmt: skip
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)

@@ -145,6 +145,8 @@ class TorchrunBackend:
                 info = self._infos[rank]
                 value = decode_reply(rank, info["host"], info["device"], ok, reply, partial(_loads, buffers=buffers))
                 done.append((rank, self._call_id, ok, value))
+        if done and not self._pending:
+            self._store.delete_key(counter)
         return done
 
     def end_call(self) -> None:
