@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -81,6 +81,8 @@ class TPGroupEngine:
         together with the other members' prompts (every member must call it). A failure of the engine is raised
         on every member."""
         shards: list | None = [None] * len(self.members) if self.engine is not None else None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # before the gather, so before the engine wakes on this rank's GPU too
         dist.gather_object((prompt_ids.cpu(), prompt_mask.cpu()), shards, group=self.group, group_dst=0)
         outputs: list | None = None
         failure: Exception | None = None
@@ -102,8 +104,24 @@ class TPGroupEngine:
         """Consume the (collective) weights iterator on every member; the owner's engine loads the full tensors,
         each of its workers its own shard. Returns how many tensors went by."""
         if self.engine is None:
-            return sum(1 for _ in weights)
-        return self.engine.load_weights(weights)
+            count = sum(1 for _ in weights)
+            self._free_cached_memory()
+            return count
+        return self.engine.load_weights(self._then_free_cached_memory(weights))
+
+    def _then_free_cached_memory(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from weights
+        self._free_cached_memory()  # the owner's engine wakes only once it has every weight
+
+    def _free_cached_memory(self) -> None:
+        """On GPU: every member hands its allocator's cached blocks back to the device, then the group meets, so
+        that the owner's engine can wake into that memory on each of the group's GPUs (an engine of one rank
+        does this itself before it wakes)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            dist.barrier(group=self.group)
 
     def sleep(self) -> None:
         if self.engine is not None:
