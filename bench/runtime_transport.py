@@ -2,11 +2,14 @@
 (figures, not a test).
 
     python bench/runtime_transport.py [--world-size 2] [--mb 256] [--calls 50] [--repeats 3]
+    torchrun --standalone --nproc_per_node=2 bench/runtime_transport.py [--mb 256] ...   # the torchrun backend
 
 The batch is one float32 tensor of ``--mb`` MB split across the ranks (``PerRank``, as the
 trainer sends its batches); each rank returns its part, so ``2 x mb`` MB cross per call. The rate
 is that over the median wall time of ``--repeats`` calls. The Ray backend runs if Ray is
 installed (a single-node Ray instance is started for it); the last lines are local/ray ratios.
+Under torchrun only the torchrun backend runs (its "launch" is the workers joining, after torchrun
+started them).
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
+from functools import partial
 
 import torch
 
 import rlkit
-from rlkit.runtime import PerRank
+from rlkit.runtime import Cluster, PerRank, torchrun
 
 
 def _echo(x: torch.Tensor) -> torch.Tensor:
@@ -29,21 +34,27 @@ def _echo(x: torch.Tensor) -> torch.Tensor:
 def measure(backend: str, world_size: int, mb: int, calls: int, repeats: int) -> dict[str, float]:
     """Median seconds of an empty call, and MB/s of a batch sent out and back."""
     start = time.perf_counter()
+    if backend == "torchrun":
+        return torchrun.run_controller(partial(_measure, start, mb, calls, repeats), device="cpu")
     with rlkit.launch(world_size=world_size, backend=backend, device="cpu") as cluster:
-        launched = time.perf_counter() - start
-        cluster.run(lambda: None)  # warm-up
-        empty = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            cluster.run(lambda: None)
-            empty.append(time.perf_counter() - t)
-        batch = torch.randn(mb * 2**20 // 4)
-        parts = PerRank(list(batch.chunk(world_size)))
-        transfer = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            cluster.run(_echo, parts)
-            transfer.append(time.perf_counter() - t)
+        return _measure(start, mb, calls, repeats, cluster)
+
+
+def _measure(start: float, mb: int, calls: int, repeats: int, cluster: Cluster) -> dict[str, float]:
+    launched = time.perf_counter() - start
+    cluster.run(lambda: None)  # warm-up
+    empty = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        cluster.run(lambda: None)
+        empty.append(time.perf_counter() - t)
+    batch = torch.randn(mb * 2**20 // 4)
+    parts = PerRank(list(batch.chunk(cluster.world_size)))
+    transfer = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        cluster.run(_echo, parts)
+        transfer.append(time.perf_counter() - t)
     seconds = statistics.median(transfer)
     return {"launch_s": launched, "empty_call_ms": 1e3 * statistics.median(empty),
             "batch_s": seconds, "batch_MB_per_s": 2 * mb / seconds}
@@ -56,7 +67,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    backends = ["local"] + (["ray"] if importlib.util.find_spec("ray") else [])
+    if torchrun.launched() and torchrun.rank() > 0:
+        sys.exit(torchrun.serve())
+    if torchrun.launched():
+        backends, args.world_size = ["torchrun"], torchrun.world_size()
+    else:
+        backends = ["local"] + (["ray"] if importlib.util.find_spec("ray") else [])
     results = {b: measure(b, args.world_size, args.mb, args.calls, args.repeats) for b in backends}
     print(f"{args.world_size} ranks on CPU; batch {args.mb} MB split across ranks, out and back")
     print(f"{'backend':<9}{'launch s':>10}{'empty call ms':>15}{'batch s':>10}{'batch MB/s':>12}")
@@ -67,7 +83,7 @@ def main() -> None:
         local, ray = results["local"], results["ray"]
         print(f"local/ray: empty call time {local['empty_call_ms'] / ray['empty_call_ms']:.2f}x, "
               f"batch transfer rate {local['batch_MB_per_s'] / ray['batch_MB_per_s']:.2f}x")
-    else:
+    elif "local" in results:
         print("ray is not installed (pip install '.[ray]'): no Ray figures")
 
 

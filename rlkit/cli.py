@@ -2,6 +2,8 @@
 
 The TOML's ``algorithm`` picks the run: "grpo" (default) or "ppo" (rlkit.Trainer), "dpo" or "kto"
 (rlkit.PreferenceTrainer); every problem of the config and its data is reported before launch.
+``torchrun --nproc_per_node=G -m rlkit train CONFIG`` runs the same training with rank 0 as the
+controller (rlkit.runtime.torchrun).
 """
 
 from __future__ import annotations
@@ -11,14 +13,21 @@ import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+
+import pandas as pd
 
 from rlkit import diagnostics
 from rlkit.config import ENGINES, ConfigError, GRPOConfig, PreferenceConfig, RLConfig, config_from_toml
 from rlkit.data import load_run_data
 from rlkit.data.preferences import load_preferences
-from rlkit.diagnostics import visible_gpu_memory_gib
+from rlkit.diagnostics import visible_gpu_count, visible_gpu_memory_gib
 from rlkit.models import load_tokenizer, resolve_model_dir
+from rlkit.runtime import Cluster, launch, torchrun
+from rlkit.trainer import PreferenceTrainer, Trainer
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.metrics import PHASES
 
@@ -46,113 +55,133 @@ def format_preference_step(row: dict) -> str:
 
 def format_step(row: dict) -> str:
     """One printed line: step, mean reward, KL, mean response length, tokens/s, memory per rank, phase times."""
-    memory = _memory(row)
     phases = " ".join(f"{p}={row[f'time/{p}']:.2f}" for p in PHASES)
     inner = " ".join(f"{k.split('/')[-1]}={row[k]:.2f}" for k in row if k.startswith("time/worker/"))
     val = f"  val reward {row['val/reward/mean']:.3f}" if "val/reward/mean" in row else ""
     return (
         f"{row['step']:>4} {row['reward/mean']:>7.3f} {row['kl/mean']:>8.4f} {row['response/length/mean']:>5.1f} "
-        f"{row['perf/tokens_per_s']:>7.0f} {memory:>14}  {phases} (workers: {inner}){val}"
+        f"{row['perf/tokens_per_s']:>7.0f} {_memory(row):>14}  {phases} (workers: {inner}){val}"
     )
+
+
+@dataclass
+class Run:
+    """A checked run: how to build its trainer on a cluster and how to print its steps."""
+
+    config: RLConfig | PreferenceConfig
+    summary: str
+    """What the data checks found (printed before launch)."""
+    trainer: Callable[[Cluster], PolicyTrainerBase]
+    header: str
+    format_step: Callable[[dict], str]
+    metric: str
+    """The history column summed up at the end, first 3 steps against the last 3."""
+    label: str
 
 
 def train(args: argparse.Namespace) -> int:
+    """Check everything, run the training, print one line per step, write the history and the report.
+
+    Under torchrun this runs on rank 0 only, whose process is also worker rank 0 (rlkit.runtime.torchrun).
+    """
     try:
+        world_size = _world_size(args)
         config = config_from_toml(args.config) if args.config else GRPOConfig()
         if args.steps is not None:
             config = dataclasses.replace(config, steps=args.steps)
-        if args.rollout is not None:
-            if isinstance(config, PreferenceConfig):
-                name = config.algorithm.upper()
-                raise ConfigError([f"--rollout {args.rollout}: {name} samples nothing (no rollout); leave it out"])
-            config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=args.rollout))
+        if isinstance(config, PreferenceConfig):
+            run = _checked_preferences(args, config, world_size)
+        else:
+            run = _checked_rl(args, config, world_size)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if isinstance(config, PreferenceConfig):
-        return train_preferences(args, config)
-    return train_rl(args, config)
+    print(run.summary, flush=True)
+    launcher = "torchrun" if torchrun.launched() else "local"
+    print(
+        f"rlkit: {run.config.algorithm.upper()} on model={run.config.model!r}, {world_size} worker(s) ({launcher}), "
+        f"{run.config.steps} steps",
+        flush=True,
+    )
+    start = time.perf_counter()
+    if torchrun.launched():
+        history, run_dir = torchrun.run_controller(partial(_fit, run, start), device=args.device)
+    else:
+        with launch(world_size=world_size, device=args.device) as cluster:
+            history, run_dir = _fit(run, start, cluster)
+    return _finish(args, run, history, run_dir, start)
 
 
-def train_rl(args: argparse.Namespace, config: RLConfig) -> int:
-    import rlkit
-
-    try:
-        config.check_cluster(args.world_size, args.device)
-        tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
-        data = load_run_data(config, tokenizer)  # files, columns, templates, rewards: all checked before launch
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(data.summary(), flush=True)
+def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> Run:
+    """GRPO/PPO: the config against the cluster, the data and rewards, then the memory estimate's warning on GPUs."""
+    if args.rollout is not None:
+        config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=args.rollout))
+    nodes = torchrun.node_of_ranks() if torchrun.launched() else None  # local: every rank on this machine
+    gpus = visible_gpu_count() if args.device != "cpu" else None
+    config.check_cluster(world_size, args.device, nodes=nodes, node_gpus=gpus)
+    tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
+    data = load_run_data(config, tokenizer)  # files, columns, templates, rewards: all checked before launch
     gpu_gib = visible_gpu_memory_gib() if args.device != "cpu" else None
     if gpu_gib is not None:  # GPUs: will it fit? (the estimate, before anything loads)
-        findings = diagnostics.preflight(config, resolve_model_dir(config.model), world_size=args.world_size,
+        findings = diagnostics.preflight(config, resolve_model_dir(config.model), world_size=world_size,
                                          device_memory_gib=gpu_gib)  # fmt: skip
         if findings.items:
             print(f"warning: {findings}", file=sys.stderr, flush=True)
-    start = _announce(args, config)
-    with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
-        trainer = rlkit.Trainer(cluster, config)
-        print(
-            f"workers ready in {time.perf_counter() - start:.1f}s on {cluster.device}; logs in {cluster.log_dir}",
-            flush=True,
+    return Run(config, data.summary(), partial(Trainer, config=config), HEADER, format_step, "reward/mean",
+               "mean reward")  # fmt: skip
+
+
+def _checked_preferences(args: argparse.Namespace, config: PreferenceConfig, world_size: int) -> Run:
+    """DPO/KTO: the config against the cluster and the preference data (columns, values, lengths)."""
+    if args.rollout is not None:
+        name = config.algorithm.upper()
+        raise ConfigError([f"--rollout {args.rollout}: {name} samples nothing (no rollout); leave it out"])
+    config.check_cluster(world_size, args.device)
+    tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
+    _, summary = load_preferences(config, tokenizer)
+    return Run(config, summary, partial(PreferenceTrainer, config=config), PREFERENCE_HEADER, format_preference_step,
+               "rewards/accuracy", "preference accuracy")  # fmt: skip
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """--world-size (default 2), or under torchrun the processes it started."""
+    if not torchrun.launched():
+        return 2 if args.world_size is None else args.world_size
+    if args.world_size not in (None, torchrun.world_size()):
+        raise ConfigError(
+            [
+                f"--world-size={args.world_size} under torchrun, which started {torchrun.world_size()} processes "
+                "(WORLD_SIZE): drop --world-size (torchrun's --nnodes and --nproc_per_node set it)"
+            ]
         )
-        print(HEADER, flush=True)
-        trainer.fit(progress=False, on_step=lambda row: print(format_step(row), flush=True))
-        trainer.close()
-    return _finish(args, trainer, "reward/mean", "mean reward", start)
+    return torchrun.world_size()
 
 
-def train_preferences(args: argparse.Namespace, config: PreferenceConfig) -> int:
-    """``rlkit train`` of a DPO or KTO config: the data checked before launch, then one line per step."""
-    import rlkit
-
-    try:
-        config.check_cluster(args.world_size, args.device)
-        tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
-        _, summary = load_preferences(config, tokenizer)  # columns, values, lengths: all checked before launch
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(summary, flush=True)
-    start = _announce(args, config)
-    with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
-        trainer = rlkit.PreferenceTrainer(cluster, config)
-        print(
-            f"workers ready in {time.perf_counter() - start:.1f}s on {cluster.device}; logs in {cluster.log_dir}",
-            flush=True,
-        )
-        print(PREFERENCE_HEADER, flush=True)
-        trainer.fit(progress=False, on_step=lambda row: print(format_preference_step(row), flush=True))
-        trainer.close()
-    return _finish(args, trainer, "rewards/accuracy", "preference accuracy", start)
+def _fit(run: Run, start: float, cluster: Cluster) -> tuple[pd.DataFrame, Path]:
+    """The training on ``cluster``, one printed line per step; returns the history and the run's folder."""
+    trainer = run.trainer(cluster)
+    logs = cluster.log_dir if cluster.log_dir is not None else "torchrun's output"
+    print(f"workers ready in {time.perf_counter() - start:.1f}s on {cluster.device}; logs in {logs}", flush=True)
+    print(run.header, flush=True)
+    trainer.fit(progress=False, on_step=lambda row: print(run.format_step(row), flush=True))
+    trainer.close()
+    return trainer.history, trainer.run_dir
 
 
-def _announce(args: argparse.Namespace, config: RLConfig | PreferenceConfig) -> float:
-    """Print what runs; returns the start time."""
-    print(
-        f"rlkit: {config.algorithm.upper()} on model={config.model!r}, {args.world_size} worker(s), "
-        f"{config.steps} steps",
-        flush=True,
-    )
-    return time.perf_counter()
-
-
-def _finish(args: argparse.Namespace, trainer: PolicyTrainerBase, metric: str, label: str, start: float) -> int:
-    """Write history.csv and the HTML report; print ``metric`` over the first and last 3 steps."""
+def _finish(args: argparse.Namespace, run: Run, history: pd.DataFrame, run_dir: Path, start: float) -> int:
+    """Write history.csv and the HTML report; print the run's metric over the first and last 3 steps."""
     from rlkit.report import write_report
 
-    history = trainer.history
-    trainer.run_dir.mkdir(parents=True, exist_ok=True)
-    history.to_csv(trainer.run_dir / "history.csv", index=False)
-    first, last = history[metric].head(3).mean(), history[metric].tail(3).mean()
-    print(f"{label}: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; total {time.perf_counter() - start:.0f}s")
-    config = trainer.config
+    run_dir.mkdir(parents=True, exist_ok=True)
+    history.to_csv(run_dir / "history.csv", index=False)
+    first, last = history[run.metric].head(3).mean(), history[run.metric].tail(3).mean()
+    total = time.perf_counter() - start
+    print(f"{run.label}: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; total {total:.0f}s")
+    config = run.config
     report = write_report(
         history, args.report, title=f"rlkit {config.algorithm.upper()}: {config.model}", config=config.to_dict()
     )
-    print(f"report: {report.resolve()}; history: {(trainer.run_dir / 'history.csv').resolve()}")
+    print(f"report: {report.resolve()}; history: {(run_dir / 'history.csv').resolve()}")
     return 0
 
 
@@ -168,11 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         help='TOML file mirroring rlkit.GRPOConfig (algorithm = "ppo", "dpo" or "kto" at the top: rlkit.PPOConfig, '
         "rlkit.DPOConfig, rlkit.KTOConfig); omit for the defaults",
     )
-    p.add_argument("--world-size", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--world-size", type=int, help="worker processes (default 2; under torchrun: its WORLD_SIZE)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--steps", type=int, help="override config.steps")
     p.add_argument("--rollout", choices=ENGINES, help="override config.rollout.engine")
     p.add_argument("--report", type=Path, default=Path("reports/report.html"), help="HTML report path")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if torchrun.launched() and torchrun.rank() > 0:
+        return torchrun.serve()  # rank 0 is the controller (and worker rank 0); the others serve it
+    if not torchrun.launched():  # under torchrun, rank 0's worker sets up logging with its [rank 0] prefix
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return train(args)

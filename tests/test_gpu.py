@@ -109,3 +109,29 @@ def test_vllm_engine_follows_the_actor_through_cuda_ipc_syncs(recompute_logprobs
     # a bf16 engine against bf16-compute training agree to bf16 precision, not exactly
     assert synced_gap < 0.05
     assert stale_gap > 3 * synced_gap
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.timeout(900)
+def test_tensor_parallel_engine_agrees_with_the_trainer_as_closely_as_an_engine_per_rank():
+    """rollout.tensor_parallel_size=2 on 2 GPUs: one engine spanning both (owned by rank 0, its TP worker on GPU 1
+    reading rank 0's shared buffers), synced after every update; its log-prob gap to the trainer is that of TP=1,
+    and a skipped sync still shows."""
+    synced, stale = {}, {}
+    for tp in (1, 2):
+        config = rlkit.GRPOConfig(
+            model="tiny",
+            prompts_per_step=16,
+            group_size=8,
+            optim=rlkit.OptimConfig(lr=5e-3),
+            rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6, tensor_parallel_size=tp),
+        )
+        with rlkit.launch(world_size=2, device="cuda") as cluster:
+            trainer = rlkit.Trainer(cluster, config)
+            synced[tp] = trainer.fit(3, progress=False)["rollout/logprob_gap/mean"].max()
+            cluster.run(skip_syncs, True)
+            stale[tp] = trainer.fit(2, progress=False).iloc[-1]["rollout/logprob_gap/mean"]
+    print(f"log-prob gap after syncs: TP=1 {synced[1]:.4f}, TP=2 {synced[2]:.4f}; skipped sync: {stale}")
+    assert synced[2] < 0.05 and synced[2] <= 2 * synced[1] + 0.005
+    assert stale[2] > 3 * synced[2]

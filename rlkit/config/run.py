@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -293,10 +294,20 @@ class RLConfig:
             need(p, self.max_refill_rounds >= 1, f"max_refill_rounds={self.max_refill_rounds}: must be >= 1, e.g. 4")
         return p
 
-    def check_cluster(self, world_size: int, device: str = "cpu") -> None:
-        """Raise ConfigError if the batch does not divide across ``world_size`` ranks, FSDP settings do not fit,
-        or the model's family cannot be sharded or rolled out on ``device`` (rlkit.models.check_model_family)."""
-        p: list[str] = self.fsdp.cluster_problems(world_size, device) + self.rollout.cluster_problems()
+    def check_cluster(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        *,
+        nodes: Sequence[object] | None = None,
+        node_gpus: int | None = None,
+    ) -> None:
+        """Raise ConfigError if the batch does not divide across ``world_size`` ranks, FSDP or rollout settings do
+        not fit the ranks (``nodes``: each rank's node, where known; ``node_gpus``: the GPUs of a node, on GPU
+        machines), or the model's family cannot be sharded or rolled out on ``device``
+        (rlkit.models.check_model_family)."""
+        p: list[str] = self.fsdp.cluster_problems(world_size, device)
+        p += self.rollout.cluster_problems(world_size, nodes, node_gpus)
         p += attention_problems(self.attn_implementation, device)
         p += tracker_install_problems(self.trackers) + torch_companion_problems()
         p += self._model_family_problems(device)
@@ -322,7 +333,11 @@ class RLConfig:
 
         model_dir = TINY_MODEL_DIR if self.model == "tiny" else Path(self.model)
         return check_model_family(
-            model_dir, engine=self.rollout.engine, device=device, trust_remote_code=self.trust_remote_code
+            model_dir,
+            engine=self.rollout.engine,
+            device=device,
+            trust_remote_code=self.trust_remote_code,
+            tensor_parallel_size=self.rollout.tensor_parallel_size,
         )
 
     def to_dict(self) -> dict[str, Any]:

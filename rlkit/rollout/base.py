@@ -42,9 +42,20 @@ class Generation:
     finish_reason: list[str]
     """"stop" where end-of-text was emitted, "length" where max_new_tokens ran out."""
 
+    def to(self, device: torch.device) -> Generation:
+        """The same completions with every tensor on ``device``."""
+        return Generation(
+            response_ids=self.response_ids.to(device),
+            response_mask=self.response_mask.to(device),
+            logprobs=self.logprobs.to(device),
+            logprob_rows=self.logprob_rows.to(device),
+            finish_reason=self.finish_reason,
+        )
+
 
 class RolloutEngine(Protocol):
-    """A generator that holds its own whole copy of the policy on this rank's device."""
+    """A generator on this rank: its own whole copy of the policy on this rank's device, or (tensor parallelism,
+    :class:`~rlkit.rollout.tp_group.TPGroupEngine`) this rank's way into the engine its group shares."""
 
     name: str
 

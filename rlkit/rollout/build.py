@@ -25,28 +25,37 @@ def build_engine(
     seed: int,
     trust_remote_code: bool = False,
 ) -> RolloutEngine:
-    """An "hf" or "vllm" engine holding the weights in ``model_dir`` on ``device`` in ``dtype``.
+    """An "hf" or "vllm" engine holding the weights in ``model_dir`` on ``device`` in ``dtype``; with
+    ``config.tensor_parallel_size`` > 1 (a collective: every rank calls it), a vLLM engine per group of ranks.
 
-    ``max_num_seqs`` is the most completions one generate call asks for (vLLM batches up to it).
+    ``max_num_seqs`` is the most completions one generate call of a rank asks for (vLLM batches up to it).
     """
     if config.engine == "vllm":
+        from rlkit.rollout.tp_group import TPGroupEngine
         from rlkit.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(
-            model_dir,
-            device=device,
-            dtype=dtype,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            max_num_seqs=max_num_seqs,
-            max_model_len=_max_model_len(config, model_dir),
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_gb=config.kv_cache_gb,
-            seed=seed,
-            logprob_fraction=config.engine_logprobs,
-            sleep=config.sleep,
-            trust_remote_code=trust_remote_code,
-        )
+        tp = config.tensor_parallel_size
+
+        def make_vllm(gpus: list[str]) -> VLLMEngine:
+            return VLLMEngine(
+                model_dir,
+                device=device,
+                dtype=dtype,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                max_num_seqs=max_num_seqs * tp,  # the whole group's completions in one call
+                max_model_len=_max_model_len(config, model_dir),
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                kv_cache_gb=config.kv_cache_gb,
+                seed=seed,
+                logprob_fraction=config.engine_logprobs,
+                sleep=config.sleep,
+                trust_remote_code=trust_remote_code,
+                tensor_parallel_size=tp,
+                gpus=gpus,
+            )
+
+        return make_vllm([]) if tp == 1 else TPGroupEngine.build(tp, device, make_vllm)
     model = load_causal_lm(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 

@@ -7,7 +7,10 @@ process boundary (:mod:`rlkit.rollout.vllm_weights`): on GPU through flat device
 once by CUDA IPC, on CPU as safetensors files in a per-rank scratch folder (tmpfs when it has
 room). Either way the engine's worker (:mod:`rlkit.rollout.vllm_worker`) loads them in place
 without restarting. Whether they arrived shows in the trainer's log-prob gap metric (rollout vs
-trainer log-probs of the same tokens), on the rows ``rollout.engine_logprobs`` picks.
+trainer log-probs of the same tokens), on the rows ``rollout.engine_logprobs`` picks. With
+``rollout.tensor_parallel_size`` > 1 one engine spans a group of ranks' devices
+(:mod:`rlkit.rollout.tp_group`): its workers each load their shard of every weight from the same
+files or buffers.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,7 +77,12 @@ class VLLMEngine:
         logprob_fraction: float,
         sleep: str,
         trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        gpus: Sequence[str] = (),
     ):
+        """``tensor_parallel_size`` > 1: the engine spans that many devices; on GPU ``gpus`` names them (entries of
+        CUDA_VISIBLE_DEVICES, this rank's first); its workers then each hold a shard of every layer. Other
+        arguments: see :func:`rlkit.rollout.build_engine`."""
         from vllm import LLM
 
         self.device, self.dtype = device, dtype
@@ -90,9 +98,10 @@ class VLLMEngine:
             kv_cache_gb = CPU_KV_CACHE_GB
         self._scratch = Path(tempfile.mkdtemp(prefix="rlkit-vllm-weights-", dir=_scratch_root(model_dir)))
         others = _vllm_processes()
-        with _engine_environment(device), _removed_on_error(self._scratch):
+        with _engine_environment(device, gpus, tensor_parallel_size), _removed_on_error(self._scratch):
             self.llm: Any = LLM(
                 model=str(model_dir),
+                tensor_parallel_size=tensor_parallel_size,
                 dtype=str(dtype).removeprefix("torch."),  # type: ignore[arg-type]
                 seed=seed,
                 trust_remote_code=trust_remote_code,
@@ -113,6 +122,17 @@ class VLLMEngine:
             )
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generation:
+        return self.generate_shards([(prompt_ids, prompt_mask)], params)[0]
+
+    def generate_shards(
+        self, shards: Sequence[tuple[torch.Tensor, torch.Tensor]], params: SamplingParams
+    ) -> list[Generation]:
+        """Completions of several ranks' prompts in one engine call (a tensor-parallel group's), one Generation
+        per shard, each with engine log-probs on ``logprob_fraction`` of its own prompts, as if it were alone.
+
+        Args:
+            shards: (prompt_ids, prompt_mask) of each rank, [N_i, P_i] left-padded; N_i may be 0.
+        """
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -120,6 +140,7 @@ class VLLMEngine:
         self.llm.collective_rpc("rlkit_reseed", args=(params.seed,))
         prompts = [
             TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
+            for prompt_ids, prompt_mask in shards
             for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)
         ]
         common: dict[str, Any] = dict(
@@ -134,12 +155,18 @@ class VLLMEngine:
         # the sampled token's log-prob only, as plain float lists (not a dict of objects per token)
         with_logprobs = VLLMSamplingParams(**common, logprobs=0, flat_logprobs=True)
         plain = VLLMSamplingParams(**common)
-        chosen = logprob_prompts(len(prompts), self.logprob_fraction)
-        sampling = [with_logprobs if c else plain for c in chosen.tolist()]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        chosen = [logprob_prompts(len(prompt_ids), self.logprob_fraction) for prompt_ids, _ in shards]
+        sampling = [with_logprobs if c else plain for c in torch.cat(chosen).tolist()]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
-        rows = chosen.repeat_interleave(params.n)
-        return _to_generation(completions, rows, params.max_new_tokens, self.pad_token_id, prompt_ids.device)
+        generations, start = [], 0
+        for (prompt_ids, _), rows in zip(shards, chosen, strict=True):
+            end = start + len(prompt_ids) * params.n
+            rows = rows.repeat_interleave(params.n)
+            width, pad = params.max_new_tokens, self.pad_token_id
+            generations.append(_to_generation(completions[start:end], rows, width, pad, prompt_ids.device))
+            start = end
+        return generations
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Reload the engine's weights in place from (name, full tensor) pairs; returns how many.
@@ -184,15 +211,22 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine's processes down (``LLM`` has no method for it), wait until they are gone
-        (so their memory is free), and delete the scratch folder."""
+        (so their memory is free), and delete the scratch folder and the shared-memory files they left."""
         shutil.rmtree(self._scratch, ignore_errors=True)
         if getattr(self, "llm", None) is not None:
+            mapped = _shared_memory_files(self._processes)
             self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
             self.llm = None
             self._shared = None
             _, alive = psutil.wait_procs(self._processes, timeout=EXIT_WAIT_S)
             if alive:
                 logger.warning("vLLM engine processes %s still run after shutdown", [p.pid for p in alive])
+                return
+            left = [path for path in mapped if os.path.exists(path)]
+            for path in left:  # vLLM's message queues and CPU tensor-parallel buffers, when it had to kill
+                Path(path).unlink(missing_ok=True)
+            if left:
+                logger.info("removed %d shared-memory files the engine's processes left", len(left))
 
     def _wake(self, *tags: str) -> None:
         """Wake the named memory pools; weights are woken before the KV cache. Blocks this process's
@@ -238,6 +272,17 @@ def _vllm_processes() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
 
 
+def _shared_memory_files(processes: list[psutil.Process]) -> set[str]:
+    """The files under /dev/shm that ``processes`` map."""
+    files: set[str] = set()
+    for process in processes:
+        try:
+            files |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/")}
+        except psutil.Error:
+            continue
+    return files
+
+
 def _scratch_root(model_dir: Path) -> str | None:
     """/dev/shm when it has room for two copies of the model's files (tmpfs: no disk I/O), else the temp dir."""
     shm = Path("/dev/shm")
@@ -257,16 +302,24 @@ def _removed_on_error(folder: Path):
         raise
 
 
+def visible_gpu_id(device: torch.device) -> str:
+    """``device``'s entry in CUDA_VISIBLE_DEVICES (its index where that is unset): how another process names it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return ids[device.index if device.index is not None else torch.cuda.current_device()]
+
+
 @contextmanager
-def _engine_environment(device: torch.device):
-    """The environment the engine's processes (spawned in this block) inherit: only ``device`` visible
-    (vLLM uses its first GPU) and none of the trainer's torch.distributed variables (the engine is a
-    world of its own)."""
+def _engine_environment(device: torch.device, gpus: Sequence[str], tensor_parallel_size: int):
+    """The environment the engine's processes (spawned in this block) inherit: on GPU only ``gpus`` visible
+    (default: ``device``; vLLM's first is this rank's), on CPU with tensor parallelism no thread binding unless
+    asked for (vLLM's automatic binding wants a NUMA node per worker), and none of the trainer's torch.distributed
+    variables (the engine is a world of its own)."""
     changes: dict[str, str | None] = dict.fromkeys(TORCH_DISTRIBUTED_VARIABLES)
     if device.type == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        changes["CUDA_VISIBLE_DEVICES"] = ids[device.index if device.index is not None else torch.cuda.current_device()]
+        changes["CUDA_VISIBLE_DEVICES"] = ",".join(gpus or [visible_gpu_id(device)])
+    elif tensor_parallel_size > 1:
+        changes["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     saved = {name: os.environ.get(name) for name in changes}
     _set_environment(changes)
     try:

@@ -67,7 +67,7 @@ class WorkerExtension:
         views = []
         for (rebuild, args), layout in pickle.loads(payload):
             args = list(args)
-            args[6] = torch.cuda.current_device()  # the storage's device, as numbered in the sender
+            args[6] = 0  # the storage's device, as this process numbers it: the trainer's GPU is its first visible one
             views += layout_views(rebuild(*args), layout)
         self._rlkit_views = views
         self._rlkit_copies = self._rlkit_bind(getattr(self, "_rlkit_plan", None))

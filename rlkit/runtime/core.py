@@ -1,9 +1,9 @@
-"""``WorkerCore``: one rank's worker, the same object in both backends.
+"""``WorkerCore``: one rank's worker, the same object in every backend.
 
-The local backend's worker process (``rlkit.runtime.worker``) and the Ray backend's actor
-(``rlkit.runtime.ray_actor``) each own one. It joins the torch.distributed process group, runs
-calls on the process's main thread, and, from any other thread, cancels the running call or
-reports the Python stacks of the process's threads.
+The local backend's worker process (``rlkit.runtime.worker``), the Ray backend's actor
+(``rlkit.runtime.ray_actor``) and each process torchrun starts (``rlkit.runtime.torchrun``) own one.
+It joins the torch.distributed process group, runs calls on the process's main thread, and, from
+any other thread, cancels the running call or reports the Python stacks of the process's threads.
 
 Cancelling: ``cancel(call_id)`` sends ``CANCEL_SIGNAL`` to the main thread, whose handler raises
 ``CallCancelled`` there. That interrupts Python code and blocking system calls (``time.sleep``,
@@ -87,14 +87,12 @@ class WorkerCore:
         return self.context
 
     def execute(self, call_id: int, load: Callable[[], LoadedCall], dump: Callable[[Any], Any]) -> tuple[bool, Any]:
-        """One call as both backends run it: ``load()`` gives ``(fn, args, kwargs)``, ``fn`` runs on
+        """One call as every backend runs it: ``load()`` gives ``(fn, args, kwargs)``, ``fn`` runs on
         this (main) thread, ``dump(result)`` packs its result for the controller. Returns
-        ``(True, packed)`` or ``(False, error info)``, after marking the end of the call's output
-        on file descriptor 1 (``DONE_MARKER``)."""
+        ``(True, packed)`` or ``(False, error info)``, after flushing stdout and stderr."""
         ok, reply = self._execute(call_id, load, dump)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.write(1, f"{DONE_MARKER}{call_id}\n".encode())
         return ok, reply
 
     def _execute(self, call_id: int, load: Callable[[], LoadedCall], dump: Callable[[Any], Any]) -> tuple[bool, Any]:
@@ -166,6 +164,12 @@ class WorkerCore:
             parts.append(f"Thread {name}{what}, most recent call last:\n"
                          + "".join(traceback.format_list(entries)))
         return "\n".join(parts)
+
+
+def mark_output_end(call_id: int) -> None:
+    """Write ``DONE_MARKER`` and the call id on file descriptor 1: the local and Ray backends, which
+    forward this process's output, forward everything a call printed before its result."""
+    os.write(1, f"{DONE_MARKER}{call_id}\n".encode())
 
 
 def rss_mb() -> float:

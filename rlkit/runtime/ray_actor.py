@@ -27,7 +27,7 @@ import ray
 import torch
 
 from rlkit.runtime import transport
-from rlkit.runtime.core import WorkerCore, error_info, rss_mb
+from rlkit.runtime.core import WorkerCore, error_info, mark_output_end, rss_mb
 from rlkit.runtime.worker import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class RayWorker:
         """Run one call: ``(ok, (pickle, buffers) or error info, output lines)``."""
         ok, reply = self.core.execute(call_id, lambda: transport.loads(data, ray.get(refs)),
                                       transport.OutOfBand().dumps)
+        mark_output_end(call_id)
         with self._send_lock:
             return ok, reply, self._output.new_lines()
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rlkit.runtime import transport
 from rlkit.runtime.channel import WorkerChannel, read_authkey
 from rlkit.runtime.context import WorkerContext
-from rlkit.runtime.core import WorkerCore, error_info, rss_mb
+from rlkit.runtime.core import WorkerCore, error_info, mark_output_end, rss_mb
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_heartbeat, args=(channel,), name="rlkit-heartbeat", daemon=True).start()
     channel.send(("ready", {"device": str(ctx.device), "rss_mb": rss_mb()}))
     _serve(channel, inbox, core, config["shm_prefix"])
-    _close_state(ctx)
+    close_state(ctx)
     _exit()
 
 
@@ -89,9 +89,10 @@ def _die_with_parent() -> None:
             logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
 
 
-def configure_logging(rank: int) -> None:
-    """Log to stderr (which the controller forwards as ``[rank N] ...``); every record gets a
-    ``rank`` attribute. rlkit's own level comes from RLKIT_LOG_LEVEL (default INFO)."""
+def configure_logging(rank: int, prefix: str = "") -> None:
+    """Log to stderr (which the local and Ray backends forward as ``[rank N] ...``; under torchrun,
+    which forwards nothing, give that ``prefix``); every record gets a ``rank`` attribute. rlkit's own
+    level comes from RLKIT_LOG_LEVEL (default INFO)."""
     make_record = logging.getLogRecordFactory()
 
     def with_rank(*args: Any, **kwargs: Any) -> logging.LogRecord:
@@ -100,7 +101,7 @@ def configure_logging(rank: int) -> None:
         return record
 
     logging.setLogRecordFactory(with_rank)
-    logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(stream=sys.stderr, format=prefix + "%(levelname)s %(name)s: %(message)s")
     logging.getLogger("rlkit").setLevel(os.environ.get("RLKIT_LOG_LEVEL", "INFO").upper())
 
 
@@ -140,6 +141,7 @@ def _serve(channel: WorkerChannel, inbox: queue.SimpleQueue, core: WorkerCore,
         _, call_id, payload = msg
         ok, reply = core.execute(call_id, partial(_load, channel, call_id, payload),
                                  partial(_dump, shm_prefix))
+        mark_output_end(call_id)
         channel.send(("result", call_id, ok, reply))
 
 
@@ -162,7 +164,7 @@ def _dump(shm_prefix: str, result: Any) -> bytes:
         raise
 
 
-def _close_state(ctx: WorkerContext) -> None:
+def close_state(ctx: WorkerContext) -> None:
     """Call ``close()`` on every value in the context's state that has one (rollout engines own
     processes that would otherwise outlive this one); a failure is logged, not raised."""
     for key, value in list(ctx.state.items()):

@@ -76,7 +76,7 @@ class Trainer(PolicyTrainerBase):
         advantage_fn: AdvantageFn | None = None,
         policy_loss_fn: PolicyLossFn | None = None,
     ):
-        config.check_cluster(cluster.world_size, cluster.device)
+        config.check_cluster(cluster.world_size, cluster.device, nodes=list(cluster.status()["host"]))
         self.config: RLConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)

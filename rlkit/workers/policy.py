@@ -126,7 +126,7 @@ class PolicyWorker(ActorRole):
         the validation pass. The engine sleeps again afterwards when it sleeps during updates."""
         self.clock.start()
         width = params.max_new_tokens
-        if len(prompt_ids) == 0:
+        if len(prompt_ids) == 0 and self.config.rollout.tensor_parallel_size == 1:  # a group's engine needs every rank
             empty = torch.zeros(0, width)
             return SampleResult(response_ids=empty.long(), response_mask=empty, finish_reason=[])
         with self.clock.timed("generate"):
