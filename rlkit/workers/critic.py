@@ -14,7 +14,7 @@ import torch
 from rlkit import diagnostics
 from rlkit.algos import Mean, loss_weights, value_objective
 from rlkit.config import PPOConfig
-from rlkit.fsdp import build_mesh, clip_grad_norm
+from rlkit.fsdp import build_mesh
 from rlkit.models.packing import can_pack
 from rlkit.models.value import load_value_model, response_values
 from rlkit.runtime import Role, context
@@ -84,9 +84,7 @@ class CriticWorker(Role):
                         loss.backward()
                         sums.add(micro_metrics)
                         step_loss += loss.detach()
-                    norm = clip_grad_norm(critic.model, cfg.critic.optim.max_grad_norm)
-                    critic.optimizer.step()
-                    critic.scheduler.step()
+                    norm = critic.clip_and_step(cfg.critic.optim.max_grad_norm)
                     sums.add({"critic/loss": Mean(step_loss, 1 / self.world_size), "critic/grad_norm": Mean(norm, 1)})
         metrics = {**sums.reduce(), "critic/lr": critic.lr}
         return UpdateResult(

@@ -17,7 +17,7 @@ import torch
 from rlkit import diagnostics
 from rlkit.algos import Mean, PolicyLossFn, PolicyObjective, loss_weights, policy_objective
 from rlkit.config import RLConfig
-from rlkit.fsdp import clip_grad_norm, iter_full_params, param_dtype
+from rlkit.fsdp import iter_full_params, param_dtype
 from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
@@ -179,12 +179,10 @@ class PolicyWorker(ActorRole):
                         loss.backward()
                         sums.add(micro_metrics)
                         step_loss += loss.detach()
-                    # 5. the gradient report, the clip by the true global norm, the optimizer step
+                    # 5. the gradient report, then the clip by the true global norm and the optimizer step
                     self.memory.mark("forward_backward")
                     report = diagnostics.grad_report(actor.model)
-                    norm = clip_grad_norm(actor.model, cfg.optim.max_grad_norm)
-                    actor.optimizer.step()
-                    actor.scheduler.step()
+                    norm = actor.clip_and_step(cfg.optim.max_grad_norm)
                     self.memory.mark("optimizer_step")
                     # this rank's part of the step's loss; the norm is the same on every rank
                     sums.add({"actor/loss": Mean(step_loss, 1 / self.world_size), "actor/grad_norm": Mean(norm, 1)})

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from rlkit import diagnostics
 from rlkit.algos import Mean, dpo_loss, kto_kl_baseline, kto_loss, kto_sums, preference_sums
 from rlkit.config import DPOConfig, KTOConfig, PreferenceConfig
-from rlkit.fsdp import clip_grad_norm
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
 from rlkit.workers.actor import ActorRole
@@ -84,9 +83,7 @@ class PreferenceWorker(ActorRole):
             # 6. the gradient report, the clip by the true global norm, the optimizer and schedule step
             self.memory.mark("forward_backward")
             report = diagnostics.grad_report(actor.model)
-            norm = clip_grad_norm(actor.model, cfg.optim.max_grad_norm)
-            actor.optimizer.step()
-            actor.scheduler.step()
+            norm = actor.clip_and_step(cfg.optim.max_grad_norm)
             self.memory.mark("optimizer_step")
         # this rank's part of the step's loss; the norm and z_ref are the same on every rank
         sums.add({"actor/loss": Mean(step_loss, 1 / self.world_size), "actor/grad_norm": Mean(norm, 1)})

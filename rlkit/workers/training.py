@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlkit.config import FSDPConfig, OptimConfig
-from rlkit.fsdp import apply_fsdp
+from rlkit.fsdp import apply_fsdp, clip_grad_norm
 from rlkit.fsdp.checkpoint import load_sharded, save_sharded
 from rlkit.workers.optim import build_optimizer
 
@@ -38,6 +38,15 @@ class TrainedModel:
     @property
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
+
+    def clip_and_step(self, max_grad_norm: float) -> float:
+        """Clip the gradients by their true global norm over all ranks, then the optimizer and schedule step.
+
+        Returns the norm before clipping (the same on every rank)."""
+        norm = clip_grad_norm(self.model, max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm
 
     def save(self, directory: Path, name: str, rank: int) -> None:
         """Shards of model and optimizer into ``directory/name``; this rank's schedule into ``name_rank<r>.pt``."""
