@@ -98,9 +98,22 @@ def test_engine_processes_do_not_inherit_the_trainers_process_group(monkeypatch)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with _engine_environment(torch.device("cpu")):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with _engine_environment(torch.device("cpu"), [], 1):
         assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # one worker: vLLM binds its threads as it likes
     assert os.environ["RANK"] == "1" and os.environ["MASTER_PORT"] == "29500" and "WORLD_SIZE" not in os.environ
+
+
+def test_a_tensor_parallel_engine_on_cpu_binds_no_threads_unless_asked(monkeypatch):
+    """vLLM's CPU thread binding wants a NUMA node per worker: off for N > 1, unless the user set it."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with _engine_environment(torch.device("cpu"), [], 2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
+    with _engine_environment(torch.device("cpu"), [], 2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
 
 
 def test_flat_buckets_lay_out_every_tensor_for_rebuilding():
