@@ -106,7 +106,7 @@ def test_steps_past_the_schedule_hold_its_last_lr_and_warn(cluster, caplog):
 
     optim = rlkit.OptimConfig(lr=1e-3, schedule="cosine", min_lr_ratio=0.1)
     trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**TINY, steps=3, optim=optim))
-    with caplog.at_level(logging.WARNING, logger="rlkit.trainer.trainer"):
+    with caplog.at_level(logging.WARNING, logger="rlkit.trainer"):
         history = trainer.fit(5, progress=False)
     # actor/lr is the rate of the next optimizer step: factors 0.55 (halfway), then the floor 0.1, held
     assert history["actor/lr"].tolist() == pytest.approx([5.5e-4, 1e-4, 1e-4, 1e-4, 1e-4])

@@ -90,6 +90,16 @@ class PolicyTrainerBase(ABC):
                 on_step(row)
         return self.history
 
+    def _warn_past_schedule(self) -> None:
+        """Before a step: warn (once) when it is the first past ``config.steps``, which the learning-rate schedule
+        spans; such steps run at the schedule's last value."""
+        if self.steps_done == self.config.steps:
+            logger.warning(
+                "step %d is past config.steps=%d, which the learning-rate schedule spans: it holds its last value",
+                self.steps_done + 1,
+                self.config.steps,
+            )
+
     def _validation_every(self) -> int:
         """Steps between validation passes in :meth:`fit` (0: none)."""
         return 0

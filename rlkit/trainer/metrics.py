@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 from rlkit.algos import explained_variance, kl_estimate, masked_mean
 from rlkit.data.batch import Batch
@@ -47,10 +48,12 @@ def step_metrics(
         **{f"time/{p}": phase_times.get(p, 0.0) for p in PHASES},
         **{f"time/worker/{k}": v for k, v in worker_times.items()},
     }
-    for rank, mem in enumerate(memory):
-        for kind, mib in mem.items():
-            row[f"memory/rank{rank}/{kind}_mb"] = mib
-    return row
+    return {**row, **memory_columns(memory)}
+
+
+def memory_columns(memory: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each rank's memory report (MiB by kind) as history columns ``memory/rank<r>/<kind>_mb``."""
+    return {f"memory/rank{rank}/{kind}_mb": mib for rank, mem in enumerate(memory) for kind, mib in mem.items()}
 
 
 def _gap_metrics(batch: Batch) -> dict[str, float]:

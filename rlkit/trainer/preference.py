@@ -27,6 +27,7 @@ from rlkit.runtime import Cluster, PerRank, RoleGroup
 from rlkit.trainer import checkpoints
 from rlkit.trainer.assemble import preference_rows
 from rlkit.trainer.base import PolicyTrainerBase
+from rlkit.trainer.metrics import memory_columns
 from rlkit.workers import PreferenceResult, PreferenceRows, PreferenceWorker
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         """One optimizer step on the next ``batch_size`` examples over all ranks; appends a row to
         :attr:`history` and returns it."""
         cfg = self.config
-        if self.steps_done == cfg.steps:
-            logger.warning(
-                "step %d is past config.steps=%d, which the learning-rate schedule spans: it holds its last value",
-                self.steps_done + 1,
-                cfg.steps,
-            )
+        self._warn_past_schedule()
         start = time.perf_counter()
         self._phase_times, self._worker_times = {}, {}
         items = self._examples.next(cfg.batch_size)
@@ -85,9 +81,8 @@ class PreferenceTrainer(PolicyTrainerBase):
             "perf/tokens_per_s": sum(int(r.attention_mask.sum()) for r in rows) / seconds,
             "time/step": seconds,
             **{f"time/worker/{name}": value for name, value in self._worker_times.items()},
+            **memory_columns(self._memory),
         }
-        for rank, memory in enumerate(self._memory):
-            row.update({f"memory/rank{rank}/{kind}_mb": mib for kind, mib in memory.items()})
         self._append_row(row, self.examples)
         return row
 

@@ -229,12 +229,7 @@ class Trainer(PolicyTrainerBase):
         Given ``batch`` (e.g. ``trainer.last_batch`` after a reward function failed), the step goes on
         from that rollout instead of generating a new one.
         """
-        if self.steps_done == self.config.steps:
-            logger.warning(
-                "step %d is past config.steps=%d, which the learning-rate schedule spans: it holds its last value",
-                self.steps_done + 1,
-                self.config.steps,
-            )
+        self._warn_past_schedule()
         cfg = self.config
         start = time.perf_counter()
         self._phase_times, self._worker_times = {}, {}
