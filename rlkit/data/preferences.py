@@ -22,6 +22,7 @@ from rlkit.config.checks import ConfigError
 from rlkit.config.preference import PreferenceConfig
 from rlkit.data.files import PromptInput, read_files, rows_from_python
 from rlkit.data.prompts import PromptSource
+from rlkit.data.templates import is_message, prompt_kind
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +153,12 @@ def _encode(
 
 def _prompt_ok(value: Any) -> bool:
     """A non-empty string or a non-empty list of chat messages."""
-    if isinstance(value, str):
-        return bool(value.strip())
-    return isinstance(value, list) and bool(value) and all(_is_message(m) for m in value)
+    return prompt_kind(value) is not None
 
 
 def _completion_ok(value: Any) -> bool:
     """A non-empty string or a list holding one assistant message with non-empty content."""
-    if isinstance(value, list) and len(value) == 1 and _is_message(value[0]) and value[0]["role"] == "assistant":
+    if isinstance(value, list) and len(value) == 1 and is_message(value[0]) and value[0]["role"] == "assistant":
         value = value[0]["content"]
     return isinstance(value, str) and bool(value.strip())
 
@@ -167,10 +166,6 @@ def _completion_ok(value: Any) -> bool:
 def _completion_text(value: str | list[dict[str, str]]) -> str:
     """A completion's text: the string, or the content of its one assistant message."""
     return value if isinstance(value, str) else value[0]["content"]
-
-
-def _is_message(m: Any) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
 COMPLETION = (_completion_ok, 'a non-empty string or a list of one {"role": "assistant", "content": str} message')

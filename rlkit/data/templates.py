@@ -46,7 +46,7 @@ def _column_kind(values: list[Any], prompt_key: str) -> tuple[str, list[str]]:
     """ "text" or "messages", or the first rows that are neither or disagree."""
     if not values:
         return "text", []
-    kinds = [_kind(v) for v in values]
+    kinds = [prompt_kind(v) for v in values]
     bad = [i for i, k in enumerate(kinds) if k is None]
     if bad:
         shown = ", ".join(f"row {i}: {values[i]!r:.80}" for i in bad[:3])
@@ -63,13 +63,15 @@ def _column_kind(values: list[Any], prompt_key: str) -> tuple[str, list[str]]:
     return str(kinds[0]), []
 
 
-def _kind(value: Any) -> str | None:
+def prompt_kind(value: Any) -> str | None:
+    """ "text" (a non-empty string), "messages" (a non-empty list of chat messages), or None (neither)."""
     if isinstance(value, str):
         return "text" if value.strip() else None
-    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+    if isinstance(value, list) and value and all(is_message(m) for m in value):
         return "messages"
     return None
 
 
-def _is_message(m: Any) -> bool:
+def is_message(m: Any) -> bool:
+    """A ``{"role": str, "content": str}`` chat message."""
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
