@@ -10,6 +10,7 @@ preference configs :class:`DPOConfig` and :class:`KTOConfig` share the model, op
 checkpoint settings.
 """
 
+from rlkit.config.agent import AgentConfig, ToolSpec
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig
@@ -30,6 +31,7 @@ from rlkit.config.sections import (
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "AgentConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "RewardModelConfig",
     "RolloutConfig",
     "SHARDING",
+    "ToolSpec",
     "ValidationConfig",
     "config_from_dict",
     "config_from_toml",

@@ -12,6 +12,7 @@ from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
 from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.algos.losses import POLICY_LOSSES
+from rlkit.config.agent import AgentConfig, ToolSpec
 from rlkit.config.checks import ConfigError, need
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
@@ -147,6 +148,15 @@ class RLConfig:
     """How often and how the validation prompts (``data.val_files``) are scored (``[validation]``)."""
     rewards: list[RewardSpec] = field(default_factory=list)
     """Reward functions named by file or module, with weights (``[[rewards]]`` tables in TOML)."""
+    tools: list[ToolSpec] = field(default_factory=list)
+    """Tool functions named by file or module (``[[tools]]`` tables in TOML); with tools (or an environment) a
+    rollout is multi-turn: see :class:`rlkit.config.agent.AgentConfig`. ``Trainer(tools=[fn])`` adds to them."""
+    environment: str = ""
+    """An environment class named by file or module, ``"file.py:Class"`` (one instance per trajectory:
+    ``reset(**fields)``, ``step(text) -> (observation, reward, done)``, either may be async); "" = none.
+    ``Trainer(environment=Class)`` replaces it."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The limits of a multi-turn trajectory and how tool calls are parsed (``[agent]``)."""
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that get every metric, the config and sample completions: any of
     "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
@@ -159,6 +169,7 @@ class RLConfig:
             self.rollout = RolloutConfig(engine=self.rollout)
         convert_tables(self)
         self.rewards = [from_table(RewardSpec, r, "rewards") if isinstance(r, dict) else r for r in self.rewards]
+        self.tools = [from_table(ToolSpec, t, "tools") if isinstance(t, dict) else t for t in self.tools]
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -197,7 +208,7 @@ class RLConfig:
             self.dual_clip is None or self.dual_clip > 1,
             f"dual_clip={self.dual_clip}: must be > 1 (e.g. 3.0), or None to disable",
         )
-        p += self._loss_problems() + self._shaping_problems()
+        p += self._loss_problems() + self._shaping_problems() + self._agent_problems()
         need(p, self.entropy_coef >= 0, f"entropy_coef={self.entropy_coef}: must be >= 0 (0 = no bonus)")
         need(p, self.kl_coef >= 0, f"kl_coef={self.kl_coef}: must be >= 0 (0 disables the reference)")
         need(p, self.kl_estimator in KL_ESTIMATORS, f'kl_estimator="{self.kl_estimator}": use one of {KL_ESTIMATORS}')
@@ -292,6 +303,17 @@ class RLConfig:
                 "informative; use group_size >= 2 or dynamic_sampling=False",
             )
             need(p, self.max_refill_rounds >= 1, f"max_refill_rounds={self.max_refill_rounds}: must be >= 1, e.g. 4")
+        return p
+
+    def _agent_problems(self) -> list[str]:
+        """Checks of ``[[tools]]``, ``environment`` and ``[agent]`` (their files are checked by load_run_data)."""
+        p = [q for i, t in enumerate(self.tools) for q in t.problems(f"tools[{i}]")] + self.agent.problems()
+        where, _, name = self.environment.rpartition(":")
+        need(p, not self.environment or (where.strip() != "" and name.strip() != ""),
+             f'environment="{self.environment}": write "my_env.py:GuessNumber" or "package.module:GuessNumber"')
+        budget = self.rollout.max_new_tokens
+        need(p, self.agent.max_turn_tokens <= budget, f"agent.max_turn_tokens={self.agent.max_turn_tokens}: must be "
+             f"at most the trajectory's budget, rollout.max_new_tokens={budget}")  # fmt: skip
         return p
 
     def check_cluster(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rlkit.config.agent import AgentConfig
 from rlkit.config.checks import ConfigError
 from rlkit.config.data import DataConfig, ValidationConfig
 from rlkit.config.sections import (
@@ -25,6 +26,7 @@ NESTED: dict[str, type] = {
     "critic": CriticConfig,
     "data": DataConfig,
     "validation": ValidationConfig,
+    "agent": AgentConfig,
 }
 """The dataclass of each nested table, by field name (dicts given for them are converted)."""
 
