@@ -40,7 +40,8 @@ class RLConfig:
 
     algorithm: ClassVar[str] = ""
     model: str = "tiny"
-    """"tiny" (the bundled model and task) or a local Hugging Face model directory."""
+    """"tiny" (the bundled model and task), "tiny-agent" (the bundled multi-turn model and its calculator task) or a
+    local Hugging Face model directory."""
     seed: int = 0
     """Seed for prompts, sampling and initialisation; same seed, same run."""
     steps: int = 50
@@ -182,8 +183,8 @@ class RLConfig:
     def problems(self) -> list[str]:
         p: list[str] = []
         need(p, self.model != "", 'model="": give "tiny" or a local Hugging Face model directory')
-        if self.model not in ("", "tiny") and not Path(self.model).is_dir():
-            p.append(f'model="{self.model}": not "tiny" and not a local directory (nothing is downloaded)')
+        if self.model not in ("", "tiny", "tiny-agent") and not Path(self.model).is_dir():
+            p.append(f'model="{self.model}": not "tiny", "tiny-agent" or a local directory (nothing is downloaded)')
         need(p, self.steps >= 1, f"steps={self.steps}: must be >= 1")
         need(p, self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step}: must be >= 1")
         need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
@@ -351,9 +352,9 @@ class RLConfig:
     def _model_family_problems(self, device: str) -> list[str]:
         """What the model directory lacks for FSDP and the rollout engine (imports transformers, and vLLM for it)."""
         from rlkit.models.families import check_model_family
-        from rlkit.models.tiny import TINY_MODEL_DIR
+        from rlkit.models.tiny import BUNDLED_MODELS
 
-        model_dir = TINY_MODEL_DIR if self.model == "tiny" else Path(self.model)
+        model_dir = BUNDLED_MODELS.get(self.model, Path(self.model))
         return check_model_family(
             model_dir,
             engine=self.rollout.engine,

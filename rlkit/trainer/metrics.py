@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from rlkit.algos import explained_variance, kl_estimate, masked_mean
 from rlkit.data.batch import Batch
+from rlkit.trainer.agentic import trajectory_metrics
 
 PHASES = ("rollout", "score", "advantages", "update")
 
@@ -27,7 +28,8 @@ def step_metrics(
     controller wall seconds per phase; ``worker_times`` the slowest rank's seconds inside each
     phase (generate, logprobs, reference, update, sync); ``memory`` one dict per rank (MiB).
     ``kl/mean`` is the k3 estimate of KL(policy || reference) per response token at rollout time
-    (0 without a reference), whichever estimator the loss or reward uses.
+    (0 without a reference), whichever estimator the loss or reward uses. Response lengths count the model's
+    tokens; a multi-turn step adds ``agent/...`` (rlkit.trainer.agentic.trajectory_metrics).
     """
     lengths = batch.response_lengths.float()
     mask = batch.response_mask
@@ -41,6 +43,7 @@ def step_metrics(
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
         **_gap_metrics(batch),
         **_algorithm_metrics(batch),
+        **trajectory_metrics(batch),
         **update_metrics,
         "perf/tokens_per_s": (batch.attention_mask.sum().item()) / step_seconds,
         "perf/rollout_tokens_per_s": mask.sum().item() / max(worker_times.get("generate", 0.0), 1e-9),
