@@ -46,7 +46,16 @@ class RunData:
     def summary(self) -> str:
         """Lines for a person: each split's report and the reward terms with their weights."""
         terms = ", ".join(f"{t.name} x {t.weight:g}" for t in self.rewards) or "the reward model alone"
-        return "\n".join([*(r.summary() for r in self.reports), f"rewards: {terms}"])
+        lines = [*(r.summary() for r in self.reports), f"rewards: {terms}"]
+        if self.agent is not None:
+            factory = self.agent.environment
+            environment = "none" if factory is None else getattr(factory, "__qualname__", repr(factory))
+            limits = self.agent.limits
+            lines.append(
+                f"multi-turn: tools {[t.name for t in self.agent.tools]}, environment {environment}, at most "
+                f"{limits.max_turns} turns, {limits.tool_parser} tool calls, {limits.call_timeout:g} s per call"
+            )
+        return "\n".join(lines)
 
 
 def load_run_data(

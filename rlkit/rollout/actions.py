@@ -38,6 +38,8 @@ class Reaction:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The messages appended next: tool results, or the environment's reply (none when the episode is over)."""
+    observation: str = ""
+    """Their text, for the record (the environment's last reply too, which is not appended)."""
     calls: list[ToolCall] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
@@ -84,7 +86,7 @@ def _reaction(
     if calls:
         records = [_call_record(agent, call, outcomes.get((i, j))) for j, call in enumerate(calls)]
         messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
-        return Reaction(messages=messages, calls=records)
+        return Reaction(messages=messages, observation="\n".join(r.result for r in records), calls=records)
     step = outcomes.get((i, -1))
     if step is None:  # no call, no environment: the model answered
         return Reaction(done=True)
@@ -92,7 +94,8 @@ def _reaction(
         why = f"timed out after {step.seconds:g} s" if step.timed_out else f"{type(step.error).__name__}: {step.error}"
         return Reaction(done=True, error=f"{turn.name}: the environment's step failed: {why}")
     observation, reward, done = step.value
-    return Reaction(messages=[] if done else [{"role": "user", "content": observation}], reward=reward, done=done)
+    messages = [] if done else [{"role": "user", "content": observation}]
+    return Reaction(messages=messages, observation=observation, reward=reward, done=done)
 
 
 def _call_record(agent: Agent, call: ParsedCall, outcome: Outcome | None) -> ToolCall:

@@ -3,14 +3,15 @@
 Every call of a turn, across all the rank's live trajectories, starts at the same time on a thread of its
 own, so a turn costs its slowest call, not the sum; one slow or hung call does not hold the others. A call
 still running at the timeout is reported as timed out and abandoned: Python cannot stop a thread, so it
-runs on in the background and its result is dropped (make long-running tools check their own deadline).
+runs on in the background (a daemon thread: it does not keep the process alive) and its result is dropped;
+make long-running tools check their own deadline.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,27 +28,24 @@ class Outcome:
 
 def run_all(jobs: list[Callable[[], Any]], timeout: float) -> list[Outcome]:
     """Run ``jobs`` concurrently (a thread each) and wait at most ``timeout`` seconds; one Outcome per job, in order."""
-    if not jobs:
-        return []
-    pool = ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rlkit-call")
-    try:
-        futures = [pool.submit(_timed, job) for job in jobs]
-        wait(futures, timeout=timeout)
-        return [_outcome(f, timeout) for f in futures]
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    outcomes: list[Outcome | None] = [None] * len(jobs)
+    threads = [
+        threading.Thread(target=_run, args=(job, outcomes, i), daemon=True, name=f"rlkit-call-{i}")
+        for i, job in enumerate(jobs)
+    ]
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [Outcome(timed_out=True, seconds=timeout) if o is None else o for o in outcomes]
 
 
-def _timed(job: Callable[[], Any]) -> tuple[Any, float]:
+def _run(job: Callable[[], Any], outcomes: list[Outcome | None], index: int) -> None:
     start = time.perf_counter()
-    return job(), time.perf_counter() - start
-
-
-def _outcome(future: Future, timeout: float) -> Outcome:
-    if not future.done():
-        return Outcome(timed_out=True, seconds=timeout)
-    error = future.exception()
-    if error is not None:
-        return Outcome(error=error)
-    value, seconds = future.result()
-    return Outcome(value=value, seconds=seconds)
+    try:
+        value = job()
+    except BaseException as exc:  # noqa: BLE001 - the call's failure is its outcome, reported by name
+        outcomes[index] = Outcome(error=exc, seconds=time.perf_counter() - start)
+    else:
+        outcomes[index] = Outcome(value=value, seconds=time.perf_counter() - start)

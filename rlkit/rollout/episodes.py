@@ -221,7 +221,7 @@ def _append_reaction(
     """Record ``reaction`` on the last turn and append its messages' ids, unless the trajectory ends here."""
     current = state.turns[-1]
     current.calls, current.reward = reaction.calls, reaction.reward
-    current.observation = "\n".join(str(m["content"]) for m in reaction.messages)
+    current.observation = reaction.observation
     if reaction.error:
         state.error = reaction.error
         return state.end("env_error")
