@@ -206,7 +206,7 @@ def test_each_limit_and_failure_is_named_recorded_and_loses_nothing(tokenizer, c
     assert by_script["ramble"].finish_reason == "length" and by_script["ramble"].turns[0].calls == []
     assert by_script["two_calls"].turns[0].calls[1].result == "2"
     assert "trajectory 10, turn 0, call 0 (slow): timeout" in caplog.text  # named by batch row, turn and call
-    assert "trajectory 11, turn 0, call 0 (broken): error: error: broken raised RuntimeError" in caplog.text
+    assert "trajectory 11, turn 0, call 0 (broken): error: broken raised RuntimeError" in caplog.text
     assert "trajectory 12, turn 0, call 0 (unreadable): unparsable" in caplog.text
 
 

@@ -281,7 +281,8 @@ def _log_failures(states: list[_Open], trajectories: list[Trajectory]) -> None:
     """One warning naming the failed tool calls and environments of this rank's trajectories (the first few)."""
     failures = [t.error for t in trajectories if t.error]
     failures += [
-        f"{s.name}, turn {turn.index}, call {j} ({c.name or 'unreadable'}): {c.status}: {c.result}"
+        f"{s.name}, turn {turn.index}, call {j} ({c.name or 'unreadable'}): "
+        f"{c.status}: {c.result.removeprefix('error: ')}"
         for s, t in zip(states, trajectories, strict=True)
         for turn in t.turns
         for j, c in enumerate(turn.calls)

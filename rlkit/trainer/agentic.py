@@ -49,7 +49,8 @@ def turn_token_rewards(batch: Batch) -> torch.Tensor:
 
 
 def trajectory_metrics(batch: Batch) -> dict[str, float]:
-    """``agent/...`` figures of a multi-turn step: turns, tool use and failures, drift, finish reasons."""
+    """``agent/...`` figures of a multi-turn step: turns, tool calls per trajectory, the share of trajectories with a
+    call that ran (``tool_use_frac``), the share of calls that failed, drift, finish reasons."""
     trajectories = batch.trajectories
     if not trajectories:
         return {}
@@ -59,7 +60,7 @@ def trajectory_metrics(batch: Batch) -> dict[str, float]:
     return {
         "agent/turns/mean": sum(len(t.turns) for t in trajectories) / count,
         "agent/tool_calls/mean": calls / count,
-        "agent/tool_use_frac": sum(t.tool_calls > 0 for t in trajectories) / count,
+        "agent/tool_use_frac": sum(t.tool_calls > t.failed_calls for t in trajectories) / count,  # a call that ran
         "agent/failed_calls_frac": sum(t.failed_calls for t in trajectories) / max(calls, 1),
         "agent/env_reward/mean": sum(t.env_reward for t in trajectories) / count,
         "agent/drift_frac": sum(bool(t.drift) for t in trajectories) / count,
