@@ -41,7 +41,9 @@ def turns_html(
         )
         gap_mean = _turn_gap(batch, gap, i, turn)
         rows.append(
-            f"<tr><td>{turn.index}</td><td>{model}{observation}</td><td>{_calls_html(turn)}</td>"
+            f'<tr><td>{turn.index}</td><td style="text-align:left">{model}{observation}</td>'
+            f'<td style="text-align:left">{_calls_html(turn)}</td>'
+
             f"<td>{turn.reward:.4g}</td><td>{html.escape(turn.finish)}</td>"
             f"<td>{'' if math.isnan(gap_mean) else f'{gap_mean:.3g}'}</td></tr>"
         )
