@@ -322,3 +322,53 @@ def test_tools_and_environment_from_a_toml_are_checked_before_launch(tokenizer, 
     assert "multi-turn: tools ['add'], environment Counter, at most 3 turns" in run.summary()
     prompt = run.train.next(1)[0]["prompt"]
     assert "add(a,b)" in prompt and "calculator" not in prompt, "the prompt lists the configured tools"
+
+
+# -- rewards on trajectories, and what cannot travel ----------------------------------------------
+
+
+def test_environment_rewards_sit_on_each_turns_last_model_token_with_turn_rewards():
+    """Two turns of 2 model tokens, 2 observation tokens between them: an environment reward of 0.5 on turn 0 and
+    1.0 on turn 1, a reward function's 2.0 on top. Summed at the end by default; per turn with agent.turn_rewards."""
+    from rlkit.config import GRPOConfig
+    from rlkit.data.batch import Batch
+    from rlkit.data.trajectories import Trajectory, Turn
+    from rlkit.trainer.advantages import advantage_inputs
+
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+    turns = [Turn(index=0, start=0, end=2, text="a", observation_end=4, reward=0.5),
+             Turn(index=1, start=4, end=6, text="b", observation_end=6, reward=1.0)]  # fmt: skip
+    batch = Batch(
+        prompts=["p"], completions=["b"], input_ids=torch.zeros(1, 9, dtype=torch.long),
+        attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0]]), response_mask=mask,
+        rollout_logprobs=torch.zeros(1, 7), group=torch.zeros(1, dtype=torch.long), finish_reason=["stop"],
+        trajectories=[Trajectory(messages=[], turns=turns, finish_reason="stop")],
+        rewards=torch.tensor([3.5]), reward_terms={"environment": torch.tensor([1.5]), "correct": torch.tensor([2.0])},
+    )  # fmt: skip
+    summed = advantage_inputs(batch, GRPOConfig(group_size=1, advantage="reinforce++")).token_rewards
+    assert summed.tolist() == [[0.0, 0.0, 0.0, 0.0, 0.0, 3.5, 0.0]]
+    config = GRPOConfig(group_size=1, advantage="reinforce++", agent={"turn_rewards": True})
+    per_turn = advantage_inputs(batch, config).token_rewards
+    assert per_turn.tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0, 3.0, 0.0]]
+    assert batch.trajectory_lengths.tolist() == [6] and batch.response_lengths.tolist() == [4]
+
+
+def test_tools_and_environments_that_cannot_be_pickled_are_named_before_launch(tokenizer):
+    from rlkit.config import GRPOConfig
+    from rlkit.data.agents import collect_agent
+
+    lock = threading.Lock()
+
+    def locked(expression: str) -> str:
+        """Hold a lock.
+
+        Args:
+            expression: anything.
+        """
+        with lock:
+            return expression
+
+    agent, problems = collect_agent(GRPOConfig(model="tiny-agent"), tokenizer, tools=[locked])
+    assert agent is not None and len(problems) == 1
+    assert problems[0].startswith("tool locked cannot be sent to the workers by value (cloudpickle: TypeError:")
+    assert collect_agent(GRPOConfig(model="tiny-agent"), tokenizer) == (None, [])

@@ -81,11 +81,8 @@ def load_run_data(
     Raises:
         ConfigError: every problem of the data and the rewards at once, each naming the setting and the fix.
     """
-    bundled = prompts is None and not config.data.train_files and config.model == "tiny-agent"
-    if bundled:
-        prompts = agent_tasks.product_prompts(AGENT_TASK_PROMPTS, config.seed)
-        tools = tools if tools or environment is not None or config.tools else [agent_tasks.calculator]
-        reward_fn = reward_fn if reward_fn is not None or config.rewards else agent_tasks.answer_reward
+    if prompts is None and not config.data.train_files and config.model == "tiny-agent":
+        prompts, tools, reward_fn = _bundled_agent_task(config, tools, environment, reward_fn)
     agent, problems = collect_agent(config, tokenizer, base_dir=base_dir, tools=tools, environment=environment)
     schemas = None if agent is None else agent.schemas
     train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas)
@@ -119,6 +116,17 @@ def load_run_data(
     assert train is not None
     reports = [r for r in (train_report, val_report) if r is not None]
     return RunData(train=train, val=val, rewards=rewards, reports=reports, agent=agent)
+
+
+def _bundled_agent_task(
+    config: RLConfig, tools: list[Any] | None, environment: Any, reward_fn: Any
+) -> tuple[list[dict[str, Any]], list[Any] | None, Any]:
+    """model="tiny-agent" without data: the product prompts, the calculator unless tools or an environment are
+    given, and ``answer_reward`` unless rewards are."""
+    prompts = agent_tasks.product_prompts(AGENT_TASK_PROMPTS, config.seed)
+    tools = tools if tools or environment is not None or config.tools else [agent_tasks.calculator]
+    reward_fn = reward_fn if reward_fn is not None or config.rewards else agent_tasks.answer_reward
+    return prompts, tools, reward_fn
 
 
 def _agent_field_problems(fields: list[str]) -> list[str]:

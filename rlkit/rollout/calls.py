@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ class Outcome:
     seconds: float = 0.0
 
 
-def run_all(jobs: list[Callable[[], Any]], timeout: float) -> list[Outcome]:
+def run_all(jobs: Sequence[Callable[[], Any]], timeout: float) -> list[Outcome]:
     """Run ``jobs`` concurrently (a thread each) and wait at most ``timeout`` seconds; one Outcome per job, in order."""
     outcomes: list[Outcome | None] = [None] * len(jobs)
     threads = [

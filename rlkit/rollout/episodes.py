@@ -14,6 +14,7 @@ each finish reason is a limit of :class:`~rlkit.config.agent.AgentConfig`, see `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -143,7 +144,7 @@ def _start(
     agent: Agent, inputs: list[EpisodeInput], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, first: int
 ) -> list[_Open]:
     """The open trajectories, prompt-major; each environment made and reset on a thread of its own."""
-    states = []
+    states: list[_Open] = []
     for i, item in enumerate(inputs):
         ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
         for _ in range(n):
@@ -153,7 +154,7 @@ def _start(
     if factory is None:
         return states
     fields = [item.fields for item in inputs for _ in range(n)]
-    jobs = [lambda f=f: _fresh(factory, f) for f in fields]
+    jobs = [functools.partial(_fresh, factory, f) for f in fields]
     for state, outcome in zip(states, run_all(jobs, agent.limits.call_timeout), strict=True):
         if outcome.timed_out or outcome.error is not None:
             why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)

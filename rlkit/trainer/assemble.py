@@ -65,7 +65,7 @@ def assemble_batch(
         rank=torch.cat([torch.full((len(r.response_ids),), i) for i, r in enumerate(results)]),
         finish_reason=[reason for r in results for reason in r.finish_reason],
         fields=fields,
-        turn_index=None if trajectories is None else torch.cat([r.turn_index for r in results]),
+        turn_index=None if trajectories is None else torch.cat([t for r in results if (t := r.turn_index) is not None]),
         trajectories=trajectories,
     )
 
