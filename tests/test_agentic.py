@@ -107,3 +107,18 @@ def test_grpo_learns_to_call_the_calculator(cluster):
     first, last = history.head(3).mean(), history.tail(3).mean()
     assert first["agent/tool_use_frac"] < 0.5 and last["agent/tool_use_frac"] > 0.75, history["agent/tool_use_frac"]
     assert last["reward/mean"] > first["reward/mean"] + 0.2, history["reward/mean"]
+
+
+@pytest.mark.timeout(200)
+def test_ppo_on_trajectories_with_rewards_per_turn(cluster):
+    """PPO with a critic on guess-the-number, each environment reward on its turn's last model token: GAE's
+    advantages live on the model's tokens only (0 on observations and padding), and the step trains both roles."""
+    config = rlkit.PPOConfig(model="tiny-agent", seed=0, prompts_per_step=4, rollout=ROLLOUT,
+                             agent=rlkit.AgentConfig(max_turns=4, turn_rewards=True))  # fmt: skip
+    trainer = rlkit.Trainer(cluster, config, environment=GuessNumber, prompts=guess_prompts(16, 0))
+    row = trainer.step()
+    batch = trainer.last_batch
+    assert batch.values is not None and "critic/loss" in row and row["agent/turns/mean"] > 1
+    not_model = batch.response_mask == 0
+    assert (batch.advantages[not_model] == 0).all() and (batch.advantages[~not_model] != 0).any()
+    assert (batch.turn_index[batch.attention_mask[:, batch.prompt_length :] == 0] == -1).all()
