@@ -119,7 +119,7 @@ def summarize(history: pd.DataFrame, n_params: int, config: rlkit.GRPOConfig, ar
     return {
         "phases": phases,
         **{f"{p}_s": median(p) for p in PHASES},
-        "controller_overhead_s": step - workers - float(h["time/score"].median()) - float(h["time/advantages"].median()),
+        "controller_overhead_s": step - workers - float(h["time/score"].median() + h["time/advantages"].median()),
         "response_len_mean": response,
         "rollout_tokens_per_s": samples * response / max(generate, 1e-9),
         "update_tokens_per_s": tokens / max(update, 1e-9),
@@ -171,9 +171,9 @@ def parse_args() -> argparse.Namespace:
 def run_config(args, model: str) -> rlkit.GRPOConfig:
     fixed = args.lengths == "fixed"
     base = {
-        "model": model, "seed": 0, "steps": args.warmup + args.steps + int(args.profile), "prompts_per_step": args.prompts,
-        "group_size": args.group, "kl_coef": args.beta, "micro_batch_size": args.micro,
-        "recompute_logprobs": args.recompute_logprobs, "optim": {"lr": 1e-6},
+        "model": model, "seed": 0, "steps": args.warmup + args.steps + int(args.profile),
+        "prompts_per_step": args.prompts, "group_size": args.group, "kl_coef": args.beta,
+        "micro_batch_size": args.micro, "recompute_logprobs": args.recompute_logprobs, "optim": {"lr": 1e-6},
         "rollout": {"engine": args.engine, "max_new_tokens": args.response_len,
                     "min_new_tokens": args.response_len if fixed else 0, "max_prompt_tokens": args.prompt_len},
     }
