@@ -29,6 +29,10 @@ START=$(date +%s)
 PLAN=${PLAN:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH="$ROOT:/tmp/site"
+# the commit the records name: t1 keeps the one bench/stage_wheels.sh wrote (the copy's git metadata is stale)
+[ -f .whl/run/COMMIT ] && cp .whl/run/COMMIT /tmp/rlkit-commit
+RLKIT_COMMIT=$(cat /tmp/rlkit-commit 2>/dev/null || true)
+export RLKIT_COMMIT
 
 item() {  # item NAME ESTIMATE_S COMMAND...: run COMMAND unless the call's budget cannot cover its estimate
   local name=$1 est=$2 used

@@ -22,7 +22,7 @@ shared=$(cd "$(git rev-parse --git-common-dir)/../../shared" && pwd)
 
 rm -rf .whl/run && mkdir -p .whl/run
 get .whl/run trl==1.16.0 datasets==4.8.4 dill==0.4.0 multiprocess==0.70.18
-git rev-parse --short HEAD > .whl/run/COMMIT
+git describe --always --dirty > .whl/run/COMMIT  # the code's commit, for the records (re-run before a lease)
 
 rm -rf .whl/verl && mkdir -p .whl/verl/dl .whl/verl/v0 .whl/verl/v1/deps
 get .whl/verl/v1/deps verl==0.9.1 transformers==5.9.0 hydra-core==1.3.2 omegaconf==2.3.0 tensordict==0.10.0 \
