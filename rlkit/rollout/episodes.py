@@ -121,7 +121,8 @@ def run_episodes(
             break
         # 2. one engine call over every live trajectory's whole context
         with _timed(times, "episodes/engine"):
-            gen = _generate(engine, renderer.tokenizer.pad_token_id, live, params, turn, limits.max_turn_tokens)
+            gen = _generate(engine, renderer.tokenizer.pad_token_id, live, params, turn, limits.max_turn_tokens,
+                            prompt_ids.device)  # fmt: skip
         # 3. append each one's sampled ids (loss mask 1, engine log-probs); no end-of-turn token ends it: "length"
         for row, state in enumerate(live):
             _append_model_turn(state, gen, row, turn, width, renderer)
@@ -172,10 +173,16 @@ def _fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> Environment:
 
 
 def _generate(
-    engine: RolloutEngine, pad_id: int, live: list[_Open], params: SamplingParams, turn: int, turn_cap: int
+    engine: RolloutEngine,
+    pad_id: int,
+    live: list[_Open],
+    params: SamplingParams,
+    turn: int,
+    turn_cap: int,
+    device: torch.device,
 ) -> Generation:
-    """One model turn of every live trajectory: their contexts left-padded into one call, at most what is left of
-    the largest budget (and ``turn_cap`` when set) sampled."""
+    """One model turn of every live trajectory: their contexts left-padded into one call on ``device``, at most what
+    is left of the largest budget (and ``turn_cap`` when set) sampled."""
     contexts = [s.prompt_ids + s.ids for s in live]
     longest = max(map(len, contexts))
     ids = torch.full((len(live), longest), pad_id, dtype=torch.long)
@@ -189,7 +196,7 @@ def _generate(
         params, n=1, max_new_tokens=cap, min_new_tokens=min(params.min_new_tokens, cap),
         seed=params.seed + turn * TURN_SEED_STRIDE,
     )  # fmt: skip
-    return engine.generate(ids, mask, turn_params)
+    return engine.generate(ids.to(device), mask.to(device), turn_params)
 
 
 def _append_model_turn(state: _Open, gen: Generation, row: int, turn: int, width: int, renderer: ChatRenderer) -> None:
