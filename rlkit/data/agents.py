@@ -74,6 +74,10 @@ def collect_agent(
     problems += _pickle_problems(made, environment)
     agent = Agent(tuple(made), environment, config.agent)
     problems += ChatRenderer(tokenizer, agent.schemas).problems()
+    if config.rollout.tensor_parallel_size > 1:
+        problems.append(f"rollout.tensor_parallel_size={config.rollout.tensor_parallel_size} with tools or an "
+                        "environment: the ranks of a tensor-parallel engine would need the same number of turns; "
+                        "multi-turn rollouts take tensor_parallel_size = 1")  # fmt: skip
     if config.data.chat_template is False:
         problems.append("data.chat_template = false, but tools and environments talk through the chat template: "
                         "set it to true (or leave it unset)")  # fmt: skip
