@@ -15,6 +15,11 @@ The sibling of ``scripts/build_tiny.py`` (which stays as it is: every addition t
 3. A small Qwen2 trained by SFT on the assistant turns only; saved in Hugging Face format with its template.
 
     python scripts/build_tiny_agent.py --out rlkit/models/tiny_agent --seed 0
+
+It took 1435 s on the 2 shared cores of the development machine (load average 10-12 from other jobs); it prints,
+on held-out products sampled at temperature 1, calls the calculator with the right expression 0.262, right answer
+0.180. Shorter schedules did not learn the call format: 900 steps (623 s) called it on 0.06, 1000 steps at
+lr 6e-3 (563 s) never.
 """
 
 from __future__ import annotations
