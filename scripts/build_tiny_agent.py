@@ -1,4 +1,4 @@
-"""Build the bundled tiny agent model (``model="tiny-agent"``): a chat template with tools, pre-trained on conversations.
+"""Build the bundled tiny agent (``model="tiny-agent"``): a chat template with tools, pre-trained on conversations.
 
 The sibling of ``scripts/build_tiny.py`` (which stays as it is: every addition test depends on its weights).
 
@@ -248,7 +248,8 @@ def main() -> None:
     conversations = [conversation(rng, args) for _ in range(12_000)]
     # the tokenizer is trained on rendered text, before it exists: render as transformers does
     render = Environment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
-    schema = [{"type": "function", "function": {"name": "calculator", "parameters": {"properties": {"expression": {}}}}}]
+    parameters = {"properties": {"expression": {}}}
+    schema = [{"type": "function", "function": {"name": "calculator", "parameters": parameters}}]
     texts = [render.render(messages=m, tools=schema if t else None) for m, t in conversations[:4000]]
     tokenizer = train_tokenizer(texts)
     tools = [calculator]
