@@ -48,8 +48,9 @@ def test_vllm_and_hf_give_the_same_trajectories():
     inputs = [EpisodeInput(messages=r["prompt"], fields={"answer": r["answer"]}) for r in rows]
     params = SamplingParams(n=1, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0)
     hf = HFEngine(load_causal_lm(TINY_AGENT_DIR, dtype=torch.float32, device=cpu), **ids)
-    vllm = VLLMEngine(TINY_AGENT_DIR, device=cpu, dtype=torch.float32, **ids, max_num_seqs=PROMPTS, max_model_len=128,
-                      gpu_memory_utilization=0.5, kv_cache_gb=0.25, seed=0, logprob_fraction=1.0, sleep="auto")  # fmt: skip
+    vllm = VLLMEngine(TINY_AGENT_DIR, device=cpu, dtype=torch.float32, **ids, max_num_seqs=PROMPTS,
+                      max_model_len=128, gpu_memory_utilization=0.5, kv_cache_gb=0.25, seed=0, logprob_fraction=1.0,
+                      sleep="auto")  # fmt: skip
     try:
         got = {name: run_episodes(engine, renderer, agent, inputs, enc["input_ids"], enc["attention_mask"], params)
                for name, engine in (("hf", hf), ("vllm", vllm))}  # fmt: skip
