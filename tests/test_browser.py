@@ -226,7 +226,7 @@ TRAJECTORY_CELLS = [
     "                          agent=rlkit.AgentConfig(max_turns=2))\n"
     "trainer = rlkit.Trainer(cluster, config)\n"
     "batch = trainer.advantages(trainer.score(trainer.rollout()))",
-    'TrajectoryView(batch, lambda i: trainer.tokenizer.decode([i]), colouring="advantage", page_size=8)',
+    'TrajectoryView(batch, lambda i: trainer.tokenizer.decode([i]), colouring="advantage", page_size=4)',
     "cluster.shutdown()",
 ]
 """A notebook that rolls out the bundled tool task on one rank and shows its trajectories."""
