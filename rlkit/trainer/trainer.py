@@ -134,7 +134,7 @@ class Trainer(PolicyTrainerBase):
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
                 [item["prompt"] for item in items],
-                cfg.rollout.max_prompt_tokens,
+                cfg.data.max_prompt_tokens,
                 self._prompts.add_special_tokens,
             )
         except ValueError:
@@ -279,10 +279,11 @@ class Trainer(PolicyTrainerBase):
         try:
             return self.score(batch)
         except RewardError as exc:
-            raise RewardError(
-                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
-                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
-            ) from exc
+            exc.add_note(
+                "Nothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the function "
+                "(trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
+            )
+            raise
 
     def _scored_refill(self, refill: int) -> Batch:
         return self._scored(self._rollout(refill))
@@ -290,6 +291,9 @@ class Trainer(PolicyTrainerBase):
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
+
+    def _samples(self) -> pd.DataFrame:
+        return self.rollouts()
 
     # -- diagnostics ------------------------------------------------------------------------------
 
@@ -332,6 +336,7 @@ class Trainer(PolicyTrainerBase):
         cluster: Cluster,
         path: str | os.PathLike,
         *,
+        config: RLConfig | None = None,
         reward_fn: Rewards | None = None,
         prompts: PromptInput | None = None,
         val_prompts: PromptInput | None = None,
@@ -343,12 +348,14 @@ class Trainer(PolicyTrainerBase):
         Weights (actor and critic), optimizers, schedules, RNG, step count, prompt position and history
         are restored; functions and Python data are not stored, so pass reward_fn, prompts, val_prompts,
         advantage_fn and policy_loss_fn again unless the run used the config's (files, [[rewards]]) or defaults.
+        ``config``: the run's settings (default: the checkpoint's), e.g. with more ``steps``; ``fit()`` then runs
+        the steps left to ``config.steps``. The trainer writes into the config's ``output_dir``: the same run folder.
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
         trainer = cls(
             cluster,
-            config_from_dict(meta["config"]),
+            config if config is not None else config_from_dict(meta["config"]),
             reward_fn=reward_fn,
             prompts=prompts,
             val_prompts=val_prompts,
