@@ -84,6 +84,8 @@ class Trainer(PolicyTrainerBase):
         self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", run.summary())
         self._prompts, self._val, self._rewards = run.train, run.val, run.rewards
+        self._position = self._prompts.state_dict()
+        """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
         self._advantage_fn = advantage_fn
         self.last_batch: Batch | None = None
         findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
@@ -243,6 +245,7 @@ class Trainer(PolicyTrainerBase):
         self.advantages(batch)
         metrics = {**self.update(batch), **sampling}
         self.steps_done += 1
+        self._position = self._prompts.state_dict()
         row = step_metrics(
             step=self.steps_done,
             batch=batch,
@@ -325,7 +328,7 @@ class Trainer(PolicyTrainerBase):
         meta = {
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
-            "prompts": self._prompts.state_dict(),
+            "prompts": self._position,
             "history": self._rows,
         }
         return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
@@ -368,5 +371,6 @@ class Trainer(PolicyTrainerBase):
         trainer.steps_done = meta["steps_done"]
         trainer._rows = meta["history"]
         trainer._prompts.load_state_dict(meta["prompts"])
+        trainer._position = meta["prompts"]
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer
