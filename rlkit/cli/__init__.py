@@ -63,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     console.setLevel(logging.INFO if args.verbose else logging.WARNING)
-    root = logging.getLogger()
+    root, torch_logs = logging.getLogger(), logging.getLogger("torch")
+    levels = root.level, torch_logs.level
     root.addHandler(console)
-    level = root.level
     root.setLevel(logging.INFO)
+    if not args.verbose:  # torch's own notes on importing vLLM's kernels ("Triton not available") stay quiet
+        torch_logs.setLevel(logging.ERROR)
     try:
         return train(args)
     finally:
         root.removeHandler(console)
-        root.setLevel(level)
+        root.setLevel(levels[0])
+        torch_logs.setLevel(levels[1])

@@ -34,8 +34,10 @@ _DONE_RE = re.compile(re.escape(DONE_MARKER) + r"(\d+)\n?")
 QUIET_LINES = re.compile(
     r"^(\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \["  # vLLM's log format
     r"|^(DEBUG|INFO) rlkit[\w.]*: "  # rlkit's own progress notes on the worker (warnings still come through)
-    r"|^\S*resource_tracker\.py:\d+: UserWarning: resource_tracker: There appear to be"  # multiprocessing at exit
-    r"|^\s*warnings\.warn\('resource_tracker:"
+    r"|^\[?[IW]\d{4} \d\d:\d\d:\d\d\.\d+"  # torch's C++ and glog-style info and warnings
+    r"|^\S*/(site-packages|lib/python3\.\d+)/\S+\.py:\d+: \w*Warning: "  # a library's Python warning
+    r"|^Loading safetensors checkpoint shards: "  # vLLM's weight loading progress bar
+    r"|^\s*$"
 )
 """Worker lines kept out of the cell or terminal (only in the rank's log) unless the cluster is verbose."""
 
@@ -70,6 +72,8 @@ class _Stream:
     window_start: float = field(default_factory=time.monotonic)
     forwarded: int = 0
     dropped: int = 0
+    quieted: bool = False
+    """The last line was kept quiet: an indented line after it (a warning's source line) is too."""
 
 
 class OutputForwarder:
@@ -163,11 +167,17 @@ class OutputForwarder:
             log.write(line)
             log.flush()
         with self._cond:
-            if line and (self.verbose or not QUIET_LINES.match(line)):
+            if line and (self.verbose or not self._quiet(stream, line)):
                 self._forward(stream, line)
             if done:
                 stream.done_call = int(done[-1])
                 self._cond.notify_all()
+
+    @staticmethod
+    def _quiet(stream: _Stream, line: str) -> bool:
+        """Whether ``line`` stays in the log only: one of QUIET_LINES, or the indented line after one."""
+        stream.quieted = bool(QUIET_LINES.match(line)) or (stream.quieted and line.startswith("  "))
+        return stream.quieted
 
     def _forward(self, stream: _Stream, line: str) -> None:
         now = time.monotonic()

@@ -30,7 +30,8 @@ def build_trackers(
     Layout: ``run_dir/tensorboard`` (event files), ``run_dir/wandb`` (W&B's run folders),
     ``run_dir/mlruns`` (MLflow's file store, unless ``MLFLOW_TRACKING_URI`` names another).
     ``first_step`` > 1 continues the folder's runs (a resumed training): TensorBoard hides what the earlier
-    process logged from that step on (it is logged again), MLflow logs into the folder's run, W&B resumes its run.
+    process logged from that step on (it is logged again), MLflow logs into the folder's run; W&B starts a new
+    run of the same name (its steps continue).
 
     Raises:
         ConfigError: unknown names, or trackers whose packages are not installed (with the pip line).

@@ -5,7 +5,6 @@ The project is ``WANDB_PROJECT`` or "rlkit"; online mode needs ``wandb login`` (
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +21,6 @@ class WandbTracker:
     name = "wandb"
 
     def __init__(self, run_dir: Path, run_name: str):
-        """The run's id comes from ``run_dir``'s path, so a resumed training in the same folder continues it."""
         import wandb
 
         self._wandb = wandb
@@ -30,8 +28,6 @@ class WandbTracker:
             project=os.environ.get("WANDB_PROJECT", "rlkit"),
             dir=str(run_dir),
             name=run_name,
-            id=hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16],
-            resume="allow",
             reinit="create_new",
             settings=wandb.Settings(console="off", silent=True),
         )
