@@ -73,7 +73,7 @@ def failure_message(args: argparse.Namespace, folder: Path, outcome: Outcome) ->
     where = f"step {outcome.step}" if outcome.step else "the start"
     lines = [f"error at {where}: {headline}"]
     steps = len(outcome.history())
-    kept = [f"{HISTORY} ({steps} steps)"] if steps else []
+    kept = [f"{HISTORY} ({steps} step{'s' * (steps != 1)})"] if steps else []
     if outcome.kept is not None:
         kept.append(f"checkpoint {outcome.kept.name}" + (" (written now)" if outcome.saved else ""))
     if kept:

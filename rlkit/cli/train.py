@@ -10,13 +10,14 @@ completions and the final model; a failed step keeps what was done and prints th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -92,6 +93,7 @@ def _arguments(args: argparse.Namespace) -> tuple[int, RLConfig | PreferenceConf
     world_size = 0
     try:
         world_size = _world_size(args)
+        _warn_cores(args, world_size)
     except ConfigError as exc:
         problems += exc.problems
     config: RLConfig | PreferenceConfig | None = None
@@ -130,6 +132,15 @@ def _world_size(args: argparse.Namespace) -> int:
     return torchrun.world_size()
 
 
+def _warn_cores(args: argparse.Namespace, world_size: int) -> None:
+    """More CPU worker processes than cores: each gets a share of a core (a warning; the run still works)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not visible_gpu_count())
+    if on_cpu and world_size > cores and not torchrun.launched():
+        print(f"warning: {world_size} worker processes on {cores} CPU core(s): each gets less than a core and "
+              f"the run is slower than with --world-size {cores}", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _checked(args: argparse.Namespace, config: RLConfig | PreferenceConfig, world_size: int) -> Run:
     if isinstance(config, PreferenceConfig):
         return _checked_preferences(args, config, world_size)
@@ -137,12 +148,15 @@ def _checked(args: argparse.Namespace, config: RLConfig | PreferenceConfig, worl
 
 
 def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> Run:
-    """GRPO/PPO: the config against the cluster, the data and rewards, then the memory estimate's warning on GPUs."""
+    """GRPO/PPO: the config against the cluster, the data and rewards (all problems together), then the memory
+    estimate's warning on GPUs."""
     nodes = torchrun.node_of_ranks() if torchrun.launched() else None  # local: every rank on this machine
     gpus = visible_gpu_count() if args.device != "cpu" else None
-    config.check_cluster(world_size, args.device, nodes=nodes, node_gpus=gpus)
     tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
-    data = load_run_data(config, tokenizer, base_dir=_base_dir(args))  # every file and reward, before launch
+    with _together() as problems:
+        with _together(problems):
+            config.check_cluster(world_size, args.device, nodes=nodes, node_gpus=gpus)
+        data = load_run_data(config, tokenizer, base_dir=_base_dir(args))  # every file and reward, before launch
     gpu_gib = visible_gpu_memory_gib() if args.device != "cpu" else None
     if gpu_gib is not None:  # GPUs: will it fit? (the estimate, before anything loads)
         findings = diagnostics.preflight(config, resolve_model_dir(config.model), world_size=world_size,
@@ -159,14 +173,32 @@ def _checked_preferences(args: argparse.Namespace, config: PreferenceConfig, wor
     if args.rollout is not None:
         name = config.algorithm.upper()
         raise ConfigError([f"--rollout {args.rollout}: {name} samples nothing (no rollout); leave it out"])
-    config.check_cluster(world_size, args.device)
     tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
-    _, summary = load_preferences(config, tokenizer, base_dir=_base_dir(args))
-    if config.data.val_files:
-        summary += "\n" + load_preferences(config, tokenizer, base_dir=_base_dir(args), split="val")[1]
+    summaries = []
+    with _together() as problems:
+        with _together(problems):
+            config.check_cluster(world_size, args.device)
+        for split in ("train", "val") if config.data.val_files else ("train",):
+            with _together(problems):
+                summaries.append(load_preferences(config, tokenizer, base_dir=_base_dir(args), split=split)[1])
+    summary = "\n".join(summaries)
     return Run(config, summary, partial(PreferenceTrainer, config=config),
                partial(_resume, PreferenceTrainer, config), preference_lines(), "rewards/accuracy",
                "preference accuracy")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _together(problems: list[str] | None = None) -> Iterator[list[str]]:
+    """Collect the problems of the ConfigErrors raised in the block into ``problems``; the outermost block (no
+    list given) raises them all at its end, as one ConfigError."""
+    outer = problems is None
+    found: list[str] = [] if problems is None else problems
+    try:
+        yield found
+    except ConfigError as exc:
+        found += [p for p in exc.problems if p not in found]
+    if outer and found:
+        raise ConfigError(found)
 
 
 def _resume(kind: type, config: object, cluster: Cluster, checkpoint: Path) -> PolicyTrainerBase:
@@ -188,11 +220,6 @@ def _print_start(args: argparse.Namespace, run: Run, folder: RunFolder, world_si
         f"{config.steps} steps; output in {folder.path}",
         flush=True,
     )
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not visible_gpu_count())
-    if on_cpu and world_size > cores and not torchrun.launched():
-        print(f"warning: {world_size} worker processes on {cores} CPU core(s): each gets less than a core and "
-              f"the run is slower than with --world-size {cores}", file=sys.stderr, flush=True)  # fmt: skip
     if folder.checkpoint is not None:
         done = checkpoints.read_meta(folder.checkpoint)["steps_done"]
         print(f"resuming from {folder.checkpoint} (step {done} of {config.steps})", flush=True)
@@ -243,7 +270,8 @@ def _finish(args: argparse.Namespace, run: Run, folder: RunFolder, outcome: Outc
         print(failure_message(args, folder.path, outcome), file=sys.stderr, flush=True)
         return 1
     steps = int(history["step"].max()) if not history.empty else 0
-    print(f"done: {steps} steps, {seconds:.0f}s; {progress(history, run.metric, run.label)}", flush=True)
+    print(f"done: {steps} step{'s' * (steps != 1)}, {seconds:.0f}s; {progress(history, run.metric, run.label)}",
+          flush=True)  # fmt: skip
     kept = [name for name in ("history.csv", REPORT, "checkpoints", FINAL) if (folder.path / name).exists()]
     print(f"output: {folder.path} ({', '.join(kept)})", flush=True)
     return 0
