@@ -2,8 +2,8 @@
 ``[rank N] `` prefix and a rate limit, to the controller's ``sys.stdout``. The lines come from the
 worker's pipe, read by a thread (local backend), or are handed over by the backend (``feed``, Ray).
 Unless ``verbose``, vLLM's own log lines below ERROR (its start-up banner and configuration, the weight
-loader's per-sync messages), rlkit's info notes and multiprocessing's resource-tracker warnings stay in
-the log file only.
+loader's per-sync messages), progress bars, rlkit's info notes and libraries' warnings (multiprocessing's
+resource tracker at exit among them) stay in the log file only.
 
 :class:`LogFolder` is a cluster's folder of those files: one that ``rlkit.launch`` made for itself is
 removed at a clean shutdown and kept (and named) when something failed.
@@ -36,7 +36,6 @@ QUIET_LINES = re.compile(
     r"|^(DEBUG|INFO) rlkit[\w.]*: "  # rlkit's own progress notes on the worker (warnings still come through)
     r"|^\[?[IW]\d{4} \d\d:\d\d:\d\d\.\d+"  # torch's C++ and glog-style info and warnings
     r"|^\S*/(site-packages|lib/python3\.\d+)/\S+\.py:\d+: \w*Warning: "  # a library's Python warning
-    r"|^Loading safetensors checkpoint shards: "  # vLLM's weight loading progress bar
     r"|^\s*$"
 )
 """Worker lines kept out of the cell or terminal (only in the rank's log) unless the cluster is verbose."""
@@ -175,8 +174,10 @@ class OutputForwarder:
 
     @staticmethod
     def _quiet(stream: _Stream, line: str) -> bool:
-        """Whether ``line`` stays in the log only: one of QUIET_LINES, or the indented line after one."""
-        stream.quieted = bool(QUIET_LINES.match(line)) or (stream.quieted and line.startswith("  "))
+        """Whether ``line`` stays in the log only: one of QUIET_LINES, a progress bar (redrawn with carriage
+        returns), or the indented line after one of those."""
+        quiet = "\r" in line or bool(QUIET_LINES.match(line))
+        stream.quieted = quiet or (stream.quieted and line.startswith("  "))
         return stream.quieted
 
     def _forward(self, stream: _Stream, line: str) -> None:
