@@ -65,9 +65,9 @@ def failure_message(args: argparse.Namespace, folder: Path, outcome: Outcome) ->
     exc = outcome.error
     assert exc is not None
     log = write_traceback(folder, exc)
-    headline = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    if not isinstance(exc, RewardError | RemoteError | WorkerDied | WorkerHung):
-        headline = f"{type(exc).__name__}: {headline}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    named = isinstance(exc, RewardError | RemoteError | WorkerDied | WorkerHung)  # their first line says it all
+    headline = first if named else f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     if len(headline) > HEADLINE_CHARS:
         headline = headline[:HEADLINE_CHARS] + " ..."
     where = f"step {outcome.step}" if outcome.step else "the start"
@@ -92,7 +92,7 @@ def _fix(exc: BaseException, folder: Path) -> str:
     if isinstance(exc, RewardError):
         return "the reward function (the models are as they were after the last completed step)"
     if isinstance(exc, KeyboardInterrupt):
-        return "nothing (interrupted)"
+        return "nothing to fix (interrupted)"
     if isinstance(exc, WorkerOutOfMemory):
         return "a rank ran out of memory: lower micro_batch_size, or set max_tokens_per_micro_batch (each rank's " \
             f"memory is in {LOG})"
