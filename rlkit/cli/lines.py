@@ -54,8 +54,8 @@ class StepLines:
 
 
 def rl_lines(terms: Sequence[str]) -> StepLines:
-    """The RL table; ``terms``: the reward terms' names (each gets its column)."""
-    named = [Column(_short(t), f"reward/{t}/mean", ".3f", max(6, len(_short(t)))) for t in terms]
+    """The RL table; ``terms``: the reward terms' names (each gets its column when there are several)."""
+    named = [Column(_short(t), f"reward/{t}/mean", ".3f", max(6, len(_short(t)))) for t in terms if len(terms) > 1]
     return StepLines(
         columns=[
             Column("step", "step", "d", 4),
