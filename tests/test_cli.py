@@ -51,6 +51,7 @@ train_files = "{DATA / "train.parquet"}"
 val_files = "{DATA / "val.parquet"}"
 [validation]
 every = 2
+before_training = true
 [[rewards]]
 function = "rewards.py:correct"
 [[rewards]]
@@ -142,9 +143,11 @@ def test_steps_print_one_compact_line_each_with_every_reward_term(runs):
     assert all(line.split()[4] == "-" for line in steps), "kl_coef = 0: the KL is not measured, shown as -"
     history = pd.read_csv(folder / "history.csv")
     assert history["kl/mean"].isna().all()
-    assert steps[0].split()[2] == f"{history['reward/correct/mean'][0]:.3f}"
+    assert steps[0].split()[2] == f"{history['reward/correct/mean'][1]:.3f}"
     assert history["reward/short/mean"].notna().all()  # the mean over the samples that term scored
     assert "val: reward" in steps[1] and "val:" not in steps[0] + steps[2]  # validation every 2 steps
+    assert re.search(r"^   0 +val: reward \d\.\d{3}", out, re.M)  # and before training: step 0
+    assert history["val/reward/mean"].notna().tolist() == [True, False, True, False]
     assert "[rank" not in out and "INFO" not in out + err, "worker and info lines stay in the logs"
     assert "memory-will-not-fit" in err and "fix:" in err  # the pretended 0.01 GiB GPU: warned before launch
     assert re.search(r"^done: 3 steps, \d+s; mean reward \S+ \(first step\) -> \S+ \(last\)$", out, re.M)

@@ -81,10 +81,15 @@ def test_kto_learns_and_its_trackers_get_every_row(cluster, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config = rlkit.KTOConfig(**LEARNING, steps=30, trackers=["tensorboard"], output_dir=str(tmp_path))
-    trainer = rlkit.PreferenceTrainer(cluster, config)
+    held_out = [{"prompt": f"{a}+{a}=", "completion": str(2 * a + (a % 2)), "label": a % 2 == 0} for a in range(6)]
+    config = rlkit.KTOConfig(**LEARNING, steps=30, trackers=["tensorboard"], output_dir=str(tmp_path),
+                             validation={"every": 15})  # fmt: skip
+    trainer = rlkit.PreferenceTrainer(cluster, config, val_pairs=held_out)
     history = trainer.fit(progress=False)
     trainer.close()
+    scored = history.dropna(subset=["val/loss"])  # the held-out examples, scored at steps 15 and 30
+    assert scored["step"].tolist() == [15, 30] and (scored["val/kto/z_ref"] >= 0).all()
+    assert scored[["val/rewards/chosen", "val/rewards/rejected", "val/rewards/accuracy"]].notna().all().all()
     first = history.iloc[0]  # r = z_ref = 0: each loss is 1 - sigmoid(0)
     assert (first["actor/loss"], first["kto/z_ref"], first["rewards/accuracy"]) == (0.5, 0.0, 0.0)
     early, late = history["rewards/accuracy"].head(5).mean(), history["rewards/accuracy"].tail(10).mean()

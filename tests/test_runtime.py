@@ -264,6 +264,16 @@ QUIET = [
 its source line, torch's glog-style warnings, a progress bar."""
 
 
+def test_a_verbose_forwarder_forwards_every_line(tmp_path, capsys):
+    from rlkit.runtime.logs import OutputForwarder
+
+    for verbose in (True, False):
+        forwarder = OutputForwarder(verbose=verbose)
+        forwarder.add(0, tmp_path / f"verbose-{verbose}.log")
+        forwarder.feed(0, [line + "\n" for line in QUIET])
+        assert capsys.readouterr().out.count("[rank 0] ") == (len(QUIET) if verbose else 0)
+
+
 @pytest.mark.timeout(60)
 def test_vllm_and_library_noise_stays_in_the_rank_log(cluster, capsys):
     def noisy():

@@ -92,8 +92,8 @@ class PolicyTrainerBase(ABC):
             logger.info("steps_done=%d: config.steps is reached, nothing to run (fit(steps=N) runs N more)",
                         self.steps_done)  # fmt: skip
             return self.history
-        val_every = self._validation_every()
-        if val_every and self.steps_done == 0 and self.config.validation.before_training:
+        val_every = self.config.validation.every if self._can_validate() else 0
+        if self._can_validate() and self.steps_done == 0 and self.config.validation.before_training:
             row = self._baseline()  # 1. the validation data before any update (step 0)
             if on_step is not None:
                 on_step(row)
@@ -153,9 +153,9 @@ class PolicyTrainerBase(ABC):
                 self.config.steps,
             )
 
-    def _validation_every(self) -> int:
-        """Steps between validation passes in :meth:`fit` (0: none)."""
-        return 0
+    def _can_validate(self) -> bool:
+        """Whether the run has validation data (trainers that have it say so)."""
+        return False
 
     def evaluate(self) -> dict[str, float]:
         """A validation pass (trainers with validation prompts define it)."""

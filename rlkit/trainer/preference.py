@@ -122,8 +122,8 @@ class PreferenceTrainer(PolicyTrainerBase):
         self._add_to_last_row(out)
         return out
 
-    def _validation_every(self) -> int:
-        return self.config.validation.every if self._val is not None else 0
+    def _can_validate(self) -> bool:
+        return self._val is not None
 
     def _samples(self) -> pd.DataFrame:
         return self.examples()

@@ -273,8 +273,8 @@ class Trainer(PolicyTrainerBase):
         self._add_to_last_row(metrics)
         return metrics
 
-    def _validation_every(self) -> int:
-        return self.config.validation.every if self._val is not None else 0
+    def _can_validate(self) -> bool:
+        return self._val is not None
 
     def _scored(self, batch: Batch) -> Batch:
         """``batch`` scored, kept in :attr:`last_batch` so that a reward function that fails loses nothing."""
