@@ -3,7 +3,8 @@
 An RL line holds the mean reward and each reward term's mean, the KL to the reference ("-" when it is not
 measured: kl_coef = 0), the mean response length, tokens/s, the step's seconds with its rollout and update
 shares, and each rank's memory; a DPO/KTO line the preference accuracy, margins, loss, gradient norm, tokens/s,
-seconds and memory. Validation figures follow on the steps that have them. Everything else is in history.csv.
+seconds and memory. The validation reward (DPO/KTO: loss and accuracy) follows on the steps that have it.
+Everything else is in history.csv.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def rl_lines(terms: Sequence[str]) -> StepLines:
             Column("gen", "time/rollout", ".1f", 5),
             Column("update", "time/update", ".1f", 6),
         ],
-        validation=[("reward", "val/reward/mean"), *((_short(t), f"val/reward/{t}/mean") for t in terms)],
+        validation=[("reward", "val/reward/mean")],
     )
 
 
@@ -84,7 +85,7 @@ def preference_lines() -> StepLines:
             Column("tok/s", "perf/tokens_per_s", ".0f", 6),
             Column("s/step", "time/step", ".1f", 6),
         ],
-        validation=[("loss", "val/loss"), ("accuracy", "val/rewards/accuracy"), ("margins", "val/rewards/margins")],
+        validation=[("loss", "val/loss"), ("accuracy", "val/rewards/accuracy")],
     )
 
 
