@@ -47,7 +47,6 @@ Rewards = RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn
 """One reward callable, a list of them (weight 1 each), or {name: fn or (fn, weight)}."""
 
 
-
 class Trainer(PolicyTrainerBase):
     """GRPO or PPO (by the config's class) on a launched cluster, steppable phase by phase.
 
@@ -211,7 +210,8 @@ class Trainer(PolicyTrainerBase):
             critic_results = self._critic.call(CriticWorker.update, PerRank(critic_rows_per_rank))
             self._record("update", start, critic_results)
             metrics.update(critic_results[0].metrics)
-        rows = [policy_rows(shard, self.config.mask_truncated) for shard in shards]
+        engine = bool(batch.engine_checked().any())  # the engine's log-probs go along when it returned any
+        rows = [policy_rows(shard, self.config.mask_truncated, engine) for shard in shards]
         results = self._policy.call(PolicyWorker.update, PerRank(rows))
         self._record("update", start, results)
         if batch.old_logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout

@@ -15,7 +15,15 @@ from pathlib import Path
 import torch
 
 from rlkit import diagnostics
-from rlkit.algos import Mean, PolicyLossFn, PolicyObjective, loss_weights, policy_objective
+from rlkit.algos import (
+    Correction,
+    Mean,
+    PolicyLossFn,
+    PolicyLossSettings,
+    PolicyObjective,
+    loss_weights,
+    policy_objective,
+)
 from rlkit.config import RLConfig
 from rlkit.fsdp import iter_full_params, param_dtype
 from rlkit.models import load_tokenizer
@@ -61,15 +69,20 @@ class PolicyWorker(ActorRole):
         self.memory = self._memory_tracker(engine_model if isinstance(engine_model, torch.nn.Module) else None)
         self.objective = PolicyObjective(
             policy_loss=config.policy_loss,
-            clip_eps=config.clip_eps,
-            clip_high=config.clip_high,
-            dual_clip=config.dual_clip,
-            log_ratio_clamp=config.log_ratio_clamp,
+            loss=PolicyLossSettings(
+                clip_eps=config.clip_eps,
+                clip_high=config.clip_high,
+                dual_clip=config.dual_clip,
+                log_ratio_clamp=config.log_ratio_clamp,
+                sapo_tau_pos=config.sapo_tau_pos,
+                sapo_tau_neg=config.sapo_tau_neg,
+            ),
             kl_coef=config.kl_coef if config.kl_mode == "loss" else 0.0,
             kl_estimator=config.kl_estimator,
             kl_clamp=config.kl_clamp,
             entropy_coef=config.entropy_coef,
             policy_loss_fn=policy_loss_fn,
+            correction=Correction(**dataclasses.asdict(config.rollout_correction)),
         )
 
     # -- the phases of a step ------------------------------------------------------------------
@@ -167,13 +180,13 @@ class PolicyWorker(ActorRole):
                             old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
                         else:
                             old_logprobs = micro.filled("old_logprobs")
-                        # 3. the objective (pure math in rlkit.algos)
+                        # 3. the objective (pure math in rlkit.algos), with the engine-vs-trainer gap and its correction
                         weights = loss_weights(
                             micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
                         )
                         loss, micro_metrics = policy_objective(
                             new_logprobs, old_logprobs, micro.advantages, micro.response_mask, weights, self.objective,
-                            ref_logprobs=micro.ref_logprobs, entropy=entropy,
+                            ref_logprobs=micro.ref_logprobs, entropy=entropy, rollout_logprobs=micro.rollout_logprobs,
                         )  # fmt: skip
                         # 4. backward: FSDP sums this rank's gradients with the other ranks'
                         loss.backward()
