@@ -37,6 +37,7 @@ from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tok
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
+from rlkit.trainer.mismatch import GapFloor, certify, probe, side_rollout
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
 from rlkit.workers import CriticWorker, PolicyWorker
@@ -292,6 +293,20 @@ class Trainer(PolicyTrainerBase):
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
 
     # -- diagnostics ------------------------------------------------------------------------------
+
+    def mismatch(self, max_rows: int = 64) -> diagnostics.MismatchReport:
+        """Why the rollout engine and the trainer disagree, now: a rollout of the next prompts with the next step's
+        seeds (nothing trains; the prompt stream stays where it is), whose first ``max_rows`` rows each rank
+        re-scores. Per token the engine's and the trainer's log-probs and their ratio, grouped by position, token id,
+        rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
+        rlkit.diagnostics.mismatch."""
+        seed = self.config.seed * 1_000_003 + self.steps_done * self.cluster.world_size
+        return probe(self, side_rollout(self, seed), max_rows)
+
+    def certify(self, max_rows: int = 64) -> GapFloor:
+        """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
+        rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
+        return certify(self, max_rows)
 
     def lint(self) -> diagnostics.Findings:
         """FSDP lint over every rank's actor, optimizer, reference and rollout engine, and the memory estimate's

@@ -25,15 +25,17 @@ from rlkit.algos import (
     policy_objective,
 )
 from rlkit.config import RLConfig
+from rlkit.diagnostics.rescore import Rescored
 from rlkit.fsdp import iter_full_params, param_dtype
 from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
 from rlkit.rollout import SamplingParams, build_engine
 from rlkit.workers.actor import ActorRole
-from rlkit.workers.batches import PolicyRows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import PolicyRows, Rows, global_counts, micro_batches, mini_batches
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
+from rlkit.workers.mismatch import probe_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class PolicyWorker(ActorRole):
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
         )
+        self.engine_synced_at = 0
+        """The optimizer step whose weights the engine holds (it starts with the model directory's, step 0)."""
         engine_model = getattr(self.engine, "model", None)
         self.memory = self._memory_tracker(engine_model if isinstance(engine_model, torch.nn.Module) else None)
         self.objective = PolicyObjective(
@@ -211,7 +215,14 @@ class PolicyWorker(ActorRole):
     def sync_engine(self) -> int:
         """Push the actor's full weights into the rollout engine; returns how many tensors were loaded."""
         with self.clock.timed("sync"):
-            return self.engine.load_weights(iter_full_params(self.actor.model))
+            count = self.engine.load_weights(iter_full_params(self.actor.model))
+        self.engine_synced_at = int(self.actor.scheduler.last_epoch)
+        return count
+
+    def mismatch_probe(self, rows: Rows) -> Rescored:
+        """This rank's ``rows`` re-scored under the hypotheses of :mod:`rlkit.diagnostics.rescore`, with the weights'
+        sums and the sync versions (``trainer.mismatch()``; a collective: every rank gets as many rows)."""
+        return probe_mismatch(self, rows)
 
     # -- log-probs -----------------------------------------------------------------------------
 
