@@ -88,7 +88,8 @@ def test_token_mask_zeroes_the_weight_and_keeps_the_normaliser():
     new = torch.zeros(1, 3, requires_grad=True)
     agg = loss_weights(mask, "token-mean", num_tokens=3, num_seqs=1, horizon=3)
     rollout = -delta  # engine log-probs, with the trainer's old ones at 0
-    loss, metrics = policy_objective(new, torch.zeros(1, 3), torch.ones(1), mask, agg, objective, rollout_logprobs=rollout)
+    old, advantages = torch.zeros(1, 3), torch.ones(1)
+    loss, metrics = policy_objective(new, old, advantages, mask, agg, objective, rollout_logprobs=rollout)
     assert loss.item() == pytest.approx(-2 / 3)
     kept = rejection_keep(delta, checked, "token", low=0.5, high=2.0).float()
     shrunk = aggregate_loss(torch.full((1, 3), -1.0), kept, "token-mean")
@@ -109,7 +110,8 @@ def test_sequence_mask_on_the_product_and_the_geometric_mean():
 
 def ppo_case(engine: float, old: float, new: float, advantage: float, **correction) -> tuple[float, float]:
     """The note's decoupled-PPO token: loss and d loss / d logp with eps 0.2 and dual-clip 3."""
-    objective = PolicyObjective(loss=PolicyLossSettings(clip_eps=0.2, dual_clip=3.0), correction=Correction(**correction))
+    settings = PolicyLossSettings(clip_eps=0.2, dual_clip=3.0)
+    objective = PolicyObjective(loss=settings, correction=Correction(**correction))
     logp = torch.tensor([[LN(new)]], requires_grad=True)
     mask = torch.ones(1, 1)
     loss, _ = policy_objective(logp, torch.tensor([[LN(old)]]), torch.tensor([advantage]), mask, mask, objective,
