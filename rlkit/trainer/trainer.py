@@ -252,6 +252,7 @@ class Trainer(PolicyTrainerBase):
             worker_times=self._worker_times,
             memory=self._memory,
             step_seconds=time.perf_counter() - start,
+            gap_limit=cfg.rollout.max_logprob_gap,
         )
         self._append_row(row, batch.to_pandas)
         return row
