@@ -169,6 +169,7 @@ def rescored(batch: Batch, logits: torch.Tensor, temperature: float, top_p: floa
         trainer=picked(logits / temperature, tokens),
         no_temperature=picked(logits, tokens) if temperature != 1 else None,
         nucleus=picked(nucleus_logits(logits / temperature, top_p), tokens) if top_p < 1 else None,
+        no_early_eos=picked(logits.index_fill(-1, torch.tensor([0]), -torch.inf) / temperature, tokens),
         penalised={p: picked(penalised_logits(logits, seen, p) / temperature, tokens) for p in PENALTY_GRID},
         dtypes={"trainer": "float32", "engine": "float32"},
         sampling={"temperature": temperature, "top_p": top_p, **(sampling or {})},
@@ -181,6 +182,7 @@ def rescored(batch: Batch, logits: torch.Tensor, temperature: float, top_p: floa
         ("no_temperature", 0.7, 1.0, "sampling: temperature"),
         ("nucleus", 1.0, 0.5, "sampling: top_p/top_k"),
         ("penalised", 1.0, 1.0, "sampling: repetition_penalty"),
+        ("no_early_eos", 1.0, 1.0, "sampling: min_new_tokens"),
         ("trainer", 0.7, 0.5, None),
     ],
 )

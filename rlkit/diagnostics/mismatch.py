@@ -5,10 +5,10 @@ rank's :class:`~rlkit.diagnostics.rescore.Rescored` and returns a :class:`Mismat
 the observed gap, mean |delta| over the tokens with an engine log-prob (delta = trainer - engine), against what a
 hypothesis leaves of it:
 
-- "sampling: temperature", "sampling: top_p/top_k", "sampling: repetition_penalty": the trainer's logits
-  transformed as the engine would (see rlkit.diagnostics.rescore) reproduce the engine's log-probs: named when
-  that removes at least half of a gap above :data:`NOISE`, or when the engine's own settings show a top-k, min-p or
-  penalty (which can change the samples without showing in its log-probs);
+- "sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens", "sampling: repetition_penalty":
+  the trainer's logits transformed as the engine would (see rlkit.diagnostics.rescore) reproduce the engine's
+  log-probs: named when that removes at least half of a gap above :data:`NOISE`, or when the engine's own settings
+  show a top-k, min-p or penalty (which can change the samples without showing in its log-probs);
 - "stale weights": a float64 sum and sum of squares of each engine tensor differs from the trainer's (cast to the
   engine's dtype), or the engine last received an older optimizer step's weights than the actor holds;
 - "dtype floor": the engine computes in a lower precision than the trainer, and the gap is within 3x the trainer's
@@ -152,6 +152,11 @@ def run_checks(
                     "the engine's log-probs are taken before the temperature: ask the engine for processed "
                     "log-probs (vLLM logprobs_mode='processed_logprobs', as rlkit's engine does)"),
         _truncation_check(gap, batch, rescored),
+        _hypothesis("sampling: min_new_tokens", gap, batch, _joined(rescored, "no_early_eos"),
+                    "the trainer with end-of-text suppressed before min_new_tokens leaves",
+                    "the engine suppresses end-of-text before rollout.min_new_tokens and its log-probs are "
+                    "renormalised without it, the trainer's are not: set min_new_tokens=0, or turn "
+                    "rollout_correction on"),
         _penalty_check(gap, batch, rescored),
         _stale_check(rescored, gap_history),
         _dtype_check(gap, batch, rescored),

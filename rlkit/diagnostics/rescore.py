@@ -8,6 +8,8 @@ transformed the same way, reproduce the engine's, that hypothesis explains the g
 - ``no_temperature``: log softmax(z), the engine's log-probs taken before the temperature (TRL #4159);
 - ``nucleus``: log softmax(z / T) renormalised over the top-p nucleus (TRL #6789: the engine's "processed"
   log-probs at top_p < 1 are log(p / kept mass));
+- ``no_early_eos``: end-of-text suppressed before ``min_new_tokens`` (the engine's log-probs are then
+  renormalised without it);
 - ``penalised[p]``: a repetition penalty p on every token already in the prompt or the response so far
   (logit / p if positive, * p if negative, then / T: Hugging Face's and vLLM's rule), for each p of a grid
   (a model's generation_config or a sampling default: OpenPipe/ART #140, NeMo-RL #3497, verl #7270);
@@ -42,6 +44,8 @@ class Rescored:
     """The same at temperature 1 (only when the rollout's temperature is not 1)."""
     nucleus: torch.Tensor | None = None
     """Renormalised over the top-p nucleus (only when top_p < 1)."""
+    no_early_eos: torch.Tensor | None = None
+    """End-of-text suppressed before min_new_tokens (only when min_new_tokens > 0)."""
     penalised: dict[float, torch.Tensor] = field(default_factory=dict)
     """Under each repetition penalty of :data:`PENALTY_GRID`."""
     engine_dtype: torch.Tensor | None = None
@@ -70,10 +74,13 @@ def rescore_rows(
     width: int,
     temperature: float,
     top_p: float,
+    min_new_tokens: int = 0,
+    eos_token_id: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rows [b, P + T] re-scored by ``model`` under the hypotheses of the module doc (one forward, no grad).
 
-    Returns {"trainer", "no_temperature" (T != 1), "nucleus" (top_p < 1), "penalty=<p>" for each p}: [b, T] each.
+    Returns {"trainer", "no_temperature" (T != 1), "nucleus" (top_p < 1), "no_early_eos" (min_new_tokens > 0),
+    "penalty=<p>" for each p}: [b, T] each.
     """
     logits = response_logits(model, input_ids, attention_mask, width).float()
     tokens = input_ids[:, -width:]
@@ -84,6 +91,10 @@ def rescore_rows(
         out["no_temperature"] = _picked(logits, tokens)
     if top_p < 1.0:
         out["nucleus"] = _picked(nucleus_logits(logits / t, top_p), tokens)
+    if min_new_tokens > 0 and eos_token_id is not None:
+        early = logits.clone()
+        early[:, :min_new_tokens, eos_token_id] = -torch.inf
+        out["no_early_eos"] = _picked(early / t, tokens)
     for row in range(len(input_ids)):
         seen = seen_tokens(input_ids[row], attention_mask[row], width, logits.shape[-1])
         for p in PENALTY_GRID:

@@ -35,13 +35,16 @@ def probe_mismatch(worker: PolicyWorker, rows: Rows) -> Rescored:
     for start in range(0, len(rows), PROBE_ROWS):
         part = rows.select(slice(start, start + PROBE_ROWS))
         parts.append(rescore_rows(model, part.input_ids, part.attention_mask, width=width,
-                                  temperature=rollout.temperature, top_p=rollout.top_p))  # fmt: skip
+                                  temperature=rollout.temperature, top_p=rollout.top_p,
+                                  min_new_tokens=rollout.min_new_tokens,
+                                  eos_token_id=getattr(worker.engine, "eos_token_id", None)))  # fmt: skip
     scored = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}
     engine_dtype, trainer_dtype = _engine_dtype(worker), _trainer_dtype(worker)
     result = Rescored(
         trainer=scored["trainer"],
         no_temperature=scored.get("no_temperature"),
         nucleus=scored.get("nucleus"),
+        no_early_eos=scored.get("no_early_eos"),
         penalised={float(k.split("=")[1]): v for k, v in scored.items() if k.startswith("penalty=")},
         dtypes={"trainer": _name(trainer_dtype), "engine": _name(engine_dtype)},
         optimizer_steps=int(worker.actor.scheduler.last_epoch),
