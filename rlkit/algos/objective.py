@@ -88,17 +88,8 @@ def policy_objective(
     per_token, clipped = _policy_loss(new_logprobs, behaviour, advantages, response_mask, objective)
     if is_weights is not None:  # the weights multiply the policy loss only (as verl's and TRL's)
         per_token = torch.where(is_weights > 0, per_token * is_weights, 0.0)
-    kl = torch.zeros_like(per_token)
+    kl = _reference_kl(new_logprobs, ref_logprobs, response_mask, objective)
     if objective.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs (the frozen reference's log-probs)")
-        kl = kl_estimate(
-            torch.where(response_mask > 0, new_logprobs, 0.0),
-            torch.where(response_mask > 0, ref_logprobs, 0.0),  # padding may hold NaN: keep it out of the graph
-            objective.kl_estimator,
-            clamp=objective.kl_clamp,
-            log_ratio_clamp=objective.loss.log_ratio_clamp,
-        )
         per_token = per_token + objective.kl_coef * kl
     if objective.entropy_coef > 0:
         if entropy is None:
@@ -116,6 +107,26 @@ def policy_objective(
     if entropy is not None:
         metrics["actor/entropy"] = token_mean(entropy, response_mask)
     return loss, {**metrics, **gap_metrics}
+
+
+def _reference_kl(
+    new_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    objective: PolicyObjective,
+) -> torch.Tensor:
+    """[b, T] the KL estimate to the reference when the loss has a KL term, else zeros."""
+    if objective.kl_coef <= 0:
+        return torch.zeros_like(new_logprobs)
+    if ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the frozen reference's log-probs)")
+    return kl_estimate(
+        torch.where(response_mask > 0, new_logprobs, 0.0),
+        torch.where(response_mask > 0, ref_logprobs, 0.0),  # padding may hold NaN: keep it out of the graph
+        objective.kl_estimator,
+        clamp=objective.kl_clamp,
+        log_ratio_clamp=objective.loss.log_ratio_clamp,
+    )
 
 
 def _engine_side(
