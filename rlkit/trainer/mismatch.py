@@ -84,11 +84,16 @@ def side_rollout(trainer: Trainer, seed: int) -> Batch:
 
 
 def probe(trainer: Trainer, batch: Batch, max_rows: int) -> MismatchReport:
-    """Each rank re-scores the first ``max_rows / world size`` of its rows of ``batch``; the report of those rows."""
+    """Each rank re-scores the first ``max_rows / world size`` of its rows of ``batch`` that carry engine log-probs
+    (as many on every rank); the report of those rows."""
     ranks = trainer.cluster.world_size
     shards = batch.split(ranks)
-    per_rank = max(1, min(len(shards[0]), max_rows // ranks))
-    picked = [shard.select(torch.arange(per_rank)) for shard in shards]
+    with_engine = [torch.ones(len(s), dtype=torch.bool) if s.rollout_logprob_rows is None else s.rollout_logprob_rows
+                   for s in shards]  # fmt: skip
+    per_rank = min([max(1, max_rows // ranks)] + [int(rows.sum()) for rows in with_engine])
+    if per_rank == 0:
+        raise ValueError("a rank's rollout has no engine log-probs to compare: set rollout.engine_logprobs > 0")
+    picked = [s.select(rows.nonzero().squeeze(1)[:per_rank]) for s, rows in zip(shards, with_engine, strict=True)]
     rows = [Rows(input_ids=s.input_ids, attention_mask=s.attention_mask, response_mask=s.response_mask) for s in picked]
     rescored = trainer._policy.call(PolicyWorker.mismatch_probe, PerRank(rows))
     history = trainer.history
