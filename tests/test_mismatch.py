@@ -12,8 +12,8 @@ from rlkit.data.batch import Batch
 from rlkit.diagnostics import mismatch_report
 from rlkit.diagnostics.rescore import PENALTY_GRID, Rescored, nucleus_logits, penalised_logits, seen_tokens
 
-CAUSES = {"sampling: temperature", "sampling: top_p/top_k", "sampling: repetition_penalty", "stale weights",
-          "dtype floor", "tokenisation"}  # fmt: skip
+CAUSES = {"sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens",
+          "sampling: repetition_penalty", "stale weights", "dtype floor", "tokenisation"}  # fmt: skip
 
 
 def plant_repetition_penalty(penalty: float | None) -> None:
