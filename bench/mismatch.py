@@ -4,13 +4,14 @@ rollout correction off and on, and what returning the engine's log-probs for eve
     python bench/mismatch.py --shape 0.5b --engine vllm [--steps 4] [--label NAME --json PATH]
     python bench/mismatch.py --shape tiny --engine hf --device cpu --prompts 8 --group 4 --response-len 16   # a CPU try
 
-One cluster, two trainers on GPU.md's workload (``bench/workloads.py``: a Qwen2.5-shaped model with random
-weights, fixed lengths): first the default run (correction off, ``rollout.engine_logprobs`` at its default 1/8 of
-the prompts), then ``trainer.certify()`` (the gap floor of this model, engine and dtype, and any cause named);
-then a corrected run (token TIS capped at 2 with ICEPOP's token band [0.5, 2]) with ``engine_logprobs=1``. Prints,
-averaged over the steps after the first: generate seconds at each fraction and their ratio (the cost of all-row
-engine log-probs), the mismatch metrics (k1, k3, |delta| mean and max, the raw ratio's range) and the correction's
-(weight mean, min, max; shares truncated and masked); ``--json`` writes them (bench/results.py's record).
+GPU.md's workload (``bench/workloads.py``: a Qwen2.5-shaped model with random weights, fixed lengths) on one
+trainer and one engine. After a warm-up step, the steps alternate (ABBA) between two modes set on the workers:
+"off" (no correction, the engine's log-probs on its default 1/8 of the prompts) and "on" (token TIS capped at 2
+with ICEPOP's token band [0.5, 2], the engine's log-probs on every row). Prints per mode the medians and spreads
+(bench/stats.py) of generate, update and step seconds, the mismatch metrics (k1, k3, |delta| mean and max, the raw
+ratio's range) and the correction's (weight mean, min, max; shares truncated and masked); the paired ratio of
+generate seconds on / off (the cost of all-row engine log-probs); and ``trainer.certify()`` (the gap floor of this
+model, engine and dtype, with any cause named). ``--json`` writes them (bench/results.py's record).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from results import write_result
+from stats import describe, describe_ratio, paired_ratio, spread
 from workloads import build_model_dir, digit_prompts, random_rewards
 
 import rlkit
@@ -29,6 +31,8 @@ MISMATCH = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/abs_delta/mean", "mism
 CORRECTION = ("rollout_correction/weight/mean", "rollout_correction/weight/min", "rollout_correction/weight/max",
               "rollout_correction/truncated_frac", "rollout_correction/masked_frac")  # fmt: skip
 TIMES = ("time/worker/generate", "time/worker/update", "time/step")
+FIX = {"weight": "token", "weight_cap": 2.0, "mask": "token", "mask_low": 0.5, "mask_high": 2.0}
+"""The correction of the "on" mode (TIS + ICEPOP)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per mode")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--label", default="rlkit-mismatch")
@@ -49,59 +53,66 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def config(args, model_dir: Path, *, correction: bool) -> rlkit.GRPOConfig:
-    """The yardstick's step (fixed lengths, one optimizer step per batch); ``correction``: TIS + ICEPOP and every
-    row's engine log-probs."""
-    fraction = {"engine_logprobs": 1.0} if correction else {}
+def set_mode(on: bool) -> None:
+    """On a worker: "on" (every row's engine log-probs, the correction in the objective) or "off" (the defaults)."""
+    import dataclasses
+
+    from rlkit.algos import Correction
+    from rlkit.config import RolloutConfig
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    worker = local_instance(PolicyWorker)
+    worker.engine.logprob_fraction = 1.0 if on else RolloutConfig().engine_logprobs  # the hf engine returns all
+    worker.objective = dataclasses.replace(worker.objective, correction=Correction(**FIX) if on else None)
+
+
+def config(args, model_dir: Path) -> rlkit.GRPOConfig:
+    """The yardstick's step: fixed lengths, one optimizer step per batch (old log-probs from the update's forward)."""
     lengths = {"max_new_tokens": args.response_len, "min_new_tokens": args.response_len}
-    rollout = rlkit.RolloutConfig(engine=args.engine, max_prompt_tokens=args.prompt_len, **lengths, **fraction)
-    fix = rlkit.RolloutCorrectionConfig(weight="token", weight_cap=2.0, mask="token", mask_low=0.5, mask_high=2.0)
-    return rlkit.GRPOConfig(model=str(model_dir), seed=0, steps=args.steps, prompts_per_step=args.prompts,
+    rollout = rlkit.RolloutConfig(engine=args.engine, max_prompt_tokens=args.prompt_len, **lengths)
+    return rlkit.GRPOConfig(model=str(model_dir), seed=0, steps=2 * args.steps + 1, prompts_per_step=args.prompts,
                             group_size=args.group, micro_batch_size=args.micro, recompute_logprobs=False,
-                            optim=rlkit.OptimConfig(lr=1e-6), rollout=rollout,
-                            rollout_correction=fix if correction else rlkit.RolloutCorrectionConfig())  # fmt: skip
-
-
-def means(history, columns) -> dict[str, float]:
-    """Each column's mean over the steps after the first (the first pays for warm-up)."""
-    steps = history.iloc[1:] if len(history) > 1 else history
-    return {c: float(steps[c].mean()) for c in columns if c in steps}
+                            optim=rlkit.OptimConfig(lr=1e-6), rollout=rollout)  # fmt: skip
 
 
 def main() -> None:
     args = parse_args()
     model_dir = build_model_dir(args.shape, args.root)
-    prompts = digit_prompts(args.prompts * (args.steps + 2) * 2, args.prompt_len)
-    figures: dict[str, object] = {}
+    prompts = digit_prompts(args.prompts * (2 * args.steps + 2), args.prompt_len)
+    rows: dict[bool, list[dict]] = {False: [], True: []}
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
-        plain = rlkit.Trainer(cluster, config(args, model_dir, correction=False), reward_fn=random_rewards,
-                              prompts=prompts)  # fmt: skip
-        history = plain.fit(args.steps, progress=False)
-        figures["off"] = means(history, MISMATCH + TIMES)
-        floor = plain.certify()
-        figures["floor"] = {k: v for k, v in floor.to_pandas().iloc[0].to_dict().items()}
-        figures["floor_checks"] = floor.report.checks.to_dict("records")
-        corrected = rlkit.Trainer(cluster, config(args, model_dir, correction=True), reward_fn=random_rewards,
-                                  prompts=prompts)  # fmt: skip
-        history = corrected.fit(args.steps, progress=False)
-        figures["on"] = means(history, MISMATCH + CORRECTION + TIMES)
-    off, on = figures["off"], figures["on"]
-    figures["generate_all_rows_over_default"] = on["time/worker/generate"] / off["time/worker/generate"]
+        trainer = rlkit.Trainer(cluster, config(args, model_dir), reward_fn=random_rewards, prompts=prompts)
+        cluster.run(set_mode, False)
+        trainer.step()  # warm-up
+        for i in range(2 * args.steps):
+            on = i % 4 in (1, 2)  # off, on, on, off, ...
+            cluster.run(set_mode, on)
+            rows[on].append(trainer.step())
+        cluster.run(set_mode, True)
+        floor = trainer.certify()
+    figures: dict[str, object] = {
+        mode: {c: spread([r.get(c, float("nan")) for r in rows[on]]) for c in MISMATCH + CORRECTION + TIMES}
+        for mode, on in (("off", False), ("on", True))
+    }
+    generate = [[r["time/worker/generate"] for r in rows[on]] for on in (True, False)]
+    figures["generate_all_rows_over_default"] = paired_ratio(*generate)
+    figures["floor"] = floor.to_pandas().iloc[0].to_dict()
+    figures["floor_checks"] = floor.report.checks.to_dict("records")
     report(figures, args, floor)
     write_result(args.json, args.label, figures, args)
 
 
 def report(figures: dict, args, floor) -> None:
     print(f"mismatch at {args.shape}, engine {args.engine}, {args.world_size} rank(s), {args.prompts}x{args.group} "
-          f"completions of {args.response_len} tokens, {args.steps} steps each (means after the first)")  # fmt: skip
+          f"completions of {args.response_len} tokens, {args.steps} timed steps per mode (alternating)")  # fmt: skip
     print(f"  {floor}")
-    print(f"  {'':<36}{'off (1/8 rows)':>16}{'on (all rows)':>16}")
     for key in MISMATCH + CORRECTION + TIMES:
-        off, on = figures["off"].get(key), figures["on"].get(key)
-        cells = "".join(f"{v:>16.4g}" if v is not None else f"{'-':>16}" for v in (off, on))
-        print(f"  {key:<36}{cells}")
-    ratio = figures["generate_all_rows_over_default"]
-    print(f"  generate with every row's engine log-probs / the default 1/8: {ratio:.3f}")
+        off, on = figures["off"][key], figures["on"][key]
+        unit = "s" if key.startswith("time/") else ""
+        print(f"  {key:<36} off {describe(off, unit):<44} on {describe(on, unit)}")
+    ratio = describe_ratio(figures["generate_all_rows_over_default"])
+    print(f"  generate with every row's engine log-probs / the default 1/8: {ratio}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from rlkit.diagnostics.memory import (
 )
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
 from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
-from rlkit.diagnostics.preflight import estimate_for, memory_setting, preflight
+from rlkit.diagnostics.preflight import estimate_for, keeps_unsharded, memory_setting, preflight
 from rlkit.diagnostics.scaling import memory_scaling
 from rlkit.diagnostics.sharding import Sharding, sharding
 
@@ -59,6 +59,7 @@ __all__ = [
     "grad_norms",
     "grad_report",
     "inspect",
+    "keeps_unsharded",
     "lint",
     "device_memory_gib",
     "memory_mb",

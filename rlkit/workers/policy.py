@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import psutil
 import torch
 
 from rlkit import diagnostics
@@ -67,6 +68,7 @@ class PolicyWorker(ActorRole):
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
         )
+        self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
         self.engine_synced_at = 0
         """The optimizer step whose weights the engine holds (it starts with the model directory's, step 0)."""
         engine_model = getattr(self.engine, "model", None)
@@ -177,25 +179,29 @@ class PolicyWorker(ActorRole):
                     num_tokens, num_seqs = global_counts(mini.response_mask)
                     actor.optimizer.zero_grad(set_to_none=True)
                     step_loss = torch.zeros((), device=self.device)
-                    for index, micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
-                        # 2. the current policy's log-probs of the sampled tokens (and the entropy)
-                        new_logprobs, entropy = self._new_logprobs(micro)
-                        if scored is not None:  # the only mini-batch is all the rows: index places them
-                            old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
-                        else:
-                            old_logprobs = micro.filled("old_logprobs")
-                        # 3. the objective (pure math in rlkit.algos), with the engine-vs-trainer gap and its correction
-                        weights = loss_weights(
-                            micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
-                        )
-                        loss, micro_metrics = policy_objective(
-                            new_logprobs, old_logprobs, micro.advantages, micro.response_mask, weights, self.objective,
-                            ref_logprobs=micro.ref_logprobs, entropy=entropy, rollout_logprobs=micro.rollout_logprobs,
-                        )  # fmt: skip
-                        # 4. backward: FSDP sums this rank's gradients with the other ranks'
-                        loss.backward()
-                        sums.add(micro_metrics)
-                        step_loss += loss.detach()
+                    micros = micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+                    with actor.accumulation(micros) as steps:  # FSDP gathers and reduces once per step if it fits
+                        for index, micro in steps:
+                            # 2. the current policy's log-probs of the sampled tokens (and the entropy)
+                            new_logprobs, entropy = self._new_logprobs(micro)
+                            if scored is not None:  # the only mini-batch is all the rows: index places them
+                                old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
+                            else:
+                                old_logprobs = micro.filled("old_logprobs")
+                            # 3. the objective (rlkit.algos), with the engine-vs-trainer gap and its correction
+                            weights = loss_weights(
+                                micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                horizon=horizon,
+                            )  # fmt: skip
+                            loss, micro_metrics = policy_objective(
+                                new_logprobs, old_logprobs, micro.advantages, micro.response_mask, weights,
+                                self.objective, ref_logprobs=micro.ref_logprobs, entropy=entropy,
+                                rollout_logprobs=micro.rollout_logprobs,
+                            )  # fmt: skip
+                            # 4. backward: FSDP sums this rank's gradients with the other ranks' (at the last one)
+                            loss.backward()
+                            sums.add(micro_metrics)
+                            step_loss += loss.detach()
                     # 5. the gradient report, then the clip by the true global norm and the optimizer step
                     self.memory.mark("forward_backward")
                     report = diagnostics.grad_report(actor.model)
@@ -281,3 +287,16 @@ class PolicyWorker(ActorRole):
         """Stop the rollout engine (and any processes it owns)."""
         super().close()
         self.engine.close()
+
+
+def _keeps_unsharded(config: RLConfig, model: torch.nn.Module, world_size: int, device: torch.device) -> bool:
+    """The memory estimate's decision whether the update keeps FSDP's units gathered through an optimizer step
+    (on a CPU the host's memory stands for the device's); False for models the estimate cannot read."""
+    gib = diagnostics.device_memory_gib() if device.type == "cuda" else psutil.virtual_memory().total / 2**30
+    dtype = "bf16" if param_dtype(config.fsdp, device.type) == torch.bfloat16 else "fp32"
+    try:
+        return diagnostics.keeps_unsharded(config, model.config, world_size=world_size, device_memory_gib=gib,
+                                           compute_dtype=dtype)
+    except ValueError as err:  # a model config without a decoder's sizes
+        logger.info("the update reshards FSDP's units every micro-batch: no memory estimate for this model (%s)", err)
+        return False
