@@ -12,6 +12,7 @@ checkpoint settings.
 
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
+from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig
 from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
 from rlkit.config.readers import config_from_dict, config_from_toml
@@ -46,6 +47,7 @@ __all__ = [
     "RewardSpec",
     "RewardModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "SHARDING",
     "ValidationConfig",
     "config_from_dict",

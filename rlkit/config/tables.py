@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from rlkit.config.checks import ConfigError
+from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, ValidationConfig
 from rlkit.config.sections import (
     CheckpointConfig,
@@ -25,6 +26,7 @@ NESTED: dict[str, type] = {
     "critic": CriticConfig,
     "data": DataConfig,
     "validation": ValidationConfig,
+    "rollout_correction": RolloutCorrectionConfig,
 }
 """The dataclass of each nested table, by field name (dicts given for them are converted)."""
 
