@@ -1,9 +1,14 @@
-"""Join one session's bench records (``bench/results.py``) into one file, peers side by side, and print the table.
+"""Join one session's bench records (``bench/results.py``) into one file, peers side by side, and print the table and
+the ratios with their spreads.
 
     python bench/collect.py OUT.json RECORD.json ... [--title TEXT]
 
-Each row is one record's per-step figures; each ratio is an rlkit record's step (and generation) over a
-peer's (TRL, verl, bare vLLM) of the same shape and lengths, so ratios only ever compare runs of one session.
+Each row is one record's medians (with min-max of the timed steps); each ratio compares an rlkit record with a
+peer of the same shape and lengths (TRL, verl, bare vLLM) from the same session: step over step, rlkit's update
+over the peer's training part (TRL's step minus its generation; verl's update), and generation over bare vLLM.
+Ratios of two runs that alternated in one process (rlkit's engine and bare vLLM, update variants) are paired:
+the ratio of the medians and the range of the per-step ratios. Ratios of runs in different processes are
+unpaired: the ratio of the medians, the range from min/max to max/min and the same from the quartiles.
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ import argparse
 import json
 from pathlib import Path
 
-COLUMNS = ("step_s", "generate_s", "update_s", "sync_s", "engine_sleep_s", "rest_s", "update_tokens_per_s",
-           "train_tokens_per_s", "mfu_update", "peak_gib_max_rank", "peak_gib")
+from stats import describe_ratio
+
+COLUMNS = ("step", "generate", "update", "sync", "logprobs", "rest")
 PEERS = ("trl", "verl", "bare")
+TRAINING = {"trl": "rest", "verl": "update"}
+"""The phase of each peer that does what rlkit's update does (the training forward, backward and optimizer step)."""
 
 
 def workload(record: dict) -> tuple:
@@ -22,30 +30,73 @@ def workload(record: dict) -> tuple:
     return args.get("shape"), args.get("lengths", "fixed"), args.get("response_len"), args.get("prompts")
 
 
-def ratios(records: list[dict]) -> dict[str, float]:
-    """``"rlkit-label / peer-label"``: step over step (generation over generation for bare vLLM)."""
-    out = {}
+def phases(record: dict) -> dict[str, dict]:
+    """Phase -> spread: a record's ``phases``, or each update variant's as "update [variant]"."""
+    figures = record["figures"]
+    out = dict(figures.get("phases", {}))
+    for name, variant in figures.get("variants", {}).items():
+        out[f"update [{name}]"] = variant["update"]
+    return {k.removesuffix("_s"): v for k, v in out.items()}
+
+
+def unpaired(a: dict, b: dict) -> dict[str, float]:
+    """median(a) / median(b) with the range min(a)/max(b) .. max(a)/min(b) and the quartiles' q1/q3 .. q3/q1."""
+    if not a.get("n") or not b.get("n"):
+        return {"n": 0}
+    return {"ratio_of_medians": a["median"] / b["median"], "range": (a["min"] / b["max"], a["max"] / b["min"]),
+            "iqr_range": (a["q1"] / b["q3"], a["q3"] / b["q1"]), "n": (a["n"], b["n"])}
+
+
+def ratios(records: list[dict]) -> dict[str, dict]:
+    """``"rlkit-label / peer-label (phase)"`` -> the ratio and its spread."""
+    out: dict[str, dict] = {}
     ours = [r for r in records if not r["label"].startswith(PEERS)]
-    for peer in (r for r in records if r["label"].startswith(PEERS)):
-        for mine in (r for r in ours if workload(r) == workload(peer)):
-            key = "generate_s" if peer["label"].startswith("bare") else "step_s"
-            a, b = mine["figures"].get(key), peer["figures"].get(key)
-            if a and b:
-                out[f"{mine['label']} / {peer['label']} ({key})"] = a / b
     for mine in ours:
         if "generate_over_bare" in mine["figures"]:
-            out[f"{mine['label']} / its bare vLLM (generate_s)"] = mine["figures"]["generate_over_bare"]
+            out[f"{mine['label']} / its bare vLLM (generate, paired)"] = mine["figures"]["generate_over_bare"]
+        for name, variant in mine["figures"].get("variants", {}).items():
+            for key, ratio in variant.items():
+                if key.startswith("over ") and name not in key:
+                    out[f"{mine['label']} [{name}] / [{key.removeprefix('over ')}] (update, paired)"] = ratio
+    for peer in (r for r in records if r["label"].startswith(("trl", "verl"))):
+        training = TRAINING[peer["label"].split("-")[0]]
+        theirs = phases(peer)
+        for mine in (r for r in ours if workload(r) == workload(peer)):
+            own = phases(mine)
+            if "step" in own and "step" in theirs:
+                out[f"{mine['label']} / {peer['label']} (step)"] = unpaired(own["step"], theirs["step"])
+            for name, s in own.items():
+                if name.startswith("update") and training in theirs:
+                    out[f"{mine['label']} {name} / {peer['label']} {training}"] = unpaired(s, theirs[training])
     return out
 
 
+def describe(ratio: dict) -> str:
+    if "pairs_n" in ratio:
+        return describe_ratio(ratio)
+    if not ratio.get("n"):
+        return "n/a"
+    (lo, hi), (q1, q3) = ratio["range"], ratio["iqr_range"]
+    return f"{ratio['ratio_of_medians']:.3f} (range {lo:.3f}-{hi:.3f}, from quartiles {q1:.3f}-{q3:.3f})"
+
+
 def table(records: list[dict]) -> str:
-    head = "| run | workload | " + " | ".join(COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
+    """One row per record (and per update variant): median (min-max) seconds of each phase."""
+    lines = ["| run | workload | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 2)]
     for r in records:
-        cells = [r["figures"].get(c) for c in COLUMNS]
-        text = ["" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells]
-        lines.append(f"| {r['label']} | {workload(r)} | " + " | ".join(text) + " |")
+        spreads = phases(r)
+        rows = [(r["label"], spreads)]
+        rows += [(f"{r['label']} [{k[8:-1]}]", {"update": v}) for k, v in spreads.items() if k.startswith("update [")]
+        for label, row in rows:
+            cells = [_cell(row.get(c)) for c in COLUMNS]
+            lines.append(f"| {label} | {workload(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(s: dict | None) -> str:
+    if not s or not s.get("n"):
+        return ""
+    return f"{s['median']:.3g} ({s['min']:.3g}-{s['max']:.3g})"
 
 
 def main() -> None:
@@ -57,10 +108,11 @@ def main() -> None:
     records = [json.loads(p.read_text()) for p in args.records if p.is_file()]
     joined = {"title": args.title, "env": records[0]["env"] if records else {}, "ratios": ratios(records),
               "table": table(records), "records": records}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(joined, indent=1, default=str))
     print(joined["table"])
     for name, value in joined["ratios"].items():
-        print(f"  {name}: {value:.3f}")
+        print(f"  {name}: {describe(value)}")
 
 
 if __name__ == "__main__":

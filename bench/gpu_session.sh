@@ -1,45 +1,43 @@
 #!/usr/bin/env bash
-# The GPU session for issues 14 and 15 on one H200, as few device calls as possible, each under 10 minutes.
-# Stage first, here: bash bench/stage_wheels.sh. Then, back to back (within 30 s of each other, or the
-# machine goes back and /tmp is lost), from the project's root, timeout_s 600 (est. = device minutes):
+# Issue 27's lease on one H200 (nvidia-h200): every figure of the issue from one machine, in calls of about 5
+# minutes (verl's alone about 8.5: its start takes 6), each writing its records under $OUT as its items finish.
+# Stage first, here: bash bench/stage_wheels.sh. Print the plan with its estimates: bash bench/gpu_session.sh plan
+# Then the calls, back to back (each within 30 s of the last, or the machine goes back and /tmp is lost), from
+# the project's root, timeout_s 600, each carrying the folders named (<= 64 MiB with the working tree):
 #
-#   call  carry (one folder each; <= 64 MiB a call)     command                                   est.
-#   T0-T4 .whl/vllm/c0 .. .whl/vllm/c4                  bash bench/gpu_session.sh fetch vllm/cN    ~0.5 each (+1.5 start)
-#   T5    .whl/verl/v0                                  bash bench/gpu_session.sh fetch verl/v0    ~0.5
-#   T6    .whl/verl/v1                                  bash bench/gpu_session.sh fetch verl/v1    ~0.5
-#   R1    .whl/vllm/c5 .whl/run                         bash bench/gpu_session.sh r1               ~9.5
-#   R2    (none)                                        bash bench/gpu_session.sh r2               ~8
-#   --- issue 15, a later session (a fresh machine needs T0-T4 again; r3/r4 install as r1 does) ---
-#   R3    .whl/vllm/c5 .whl/run                         bash bench/gpu_session.sh r3               ~9.5
-#   R4    (none, or as R3 when the machine is fresh)    bash bench/gpu_session.sh r4               ~9.5
+#   call  carry                          command                           items (est. s)
+#   t1    .whl/vllm/c0 .whl/run          bash bench/gpu_session.sh t1      TRL HF 0.5B
+#   t2    .whl/vllm/c1                   bash bench/gpu_session.sh t2      rlkit's update levers 0.5B (+ profile)
+#   t3    .whl/vllm/c2                   bash bench/gpu_session.sh t3      rlkit's update 1.5B (MFU)
+#   t4    .whl/vllm/c3                   bash bench/gpu_session.sh t4      tests/test_gpu.py without vLLM
+#   t5    .whl/vllm/c4                   bash bench/gpu_session.sh t5      compile probe (optional)
+#   r1    .whl/vllm/c5                   bash bench/gpu_session.sh r1      vLLM install; rlkit 0.5B + bare vLLM
+#   r2    .whl/verl/v0                   bash bench/gpu_session.sh r2      TRL vLLM colocate 0.5B
+#   r3    (nothing)                      bash bench/gpu_session.sh r3      tests/test_gpu.py with vLLM; mismatch
+#   v1    .whl/verl/v1                   bash bench/gpu_session.sh v1      verl 0.9.1 0.5B (its own call, 570 s)
 #
-# R1 (issue 14's yardstick, one machine): rlkit 0.5B vllm step + a profiled step + bare vLLM in the same
-# process; TRL 0.5B HF generate and vLLM colocate; rlkit 1.5B vllm. R2: verl 0.5B; TRL 1.5B HF generate;
-# tests/test_gpu.py; the sync breakdown (bench/rollout_throughput.py); rlkit 0.5B hf engine (last, optional).
-# R3: issue 15's varlen workload (rlkit padded and padding-free, TRL vLLM colocate on the same lengths) and
-# offload at 0.5B. R4: the 3B shape with 2,048-token responses (activation checkpointing off/on, offload on).
-# Without verl (drop T5, T6): R2 skips it, ~5 minutes saved.
-#
-# Each item is skipped when the call's 570 s would not cover its estimate, and stopped at the call's end.
-# Figures: one JSON record per item (bench/results.py), joined per call by bench/collect.py into
-# $OUT/<call>.json (copy it to bench/results/), with the log in $OUT/<call>.log.
+# Every item is skipped when the rest of its call's budget (BUDGET, 290 s; v1 570 s) cannot cover its estimate,
+# and stopped at the budget's end. Records: $OUT/<call>/<item>.json (bench/results.py), joined per call by
+# bench/collect.py into $OUT/<call>.json with the table and the ratios; the log is $OUT/<call>.log. Copy them
+# to bench/results/<date>-h200/ as each call returns.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-/tmp/bench-out}
-RAW=/tmp/bench-raw
 MODELS=/tmp/bench-models
-PADDING_FREE=${PADDING_FREE:-padding_free}  # issue 15's setting, by its dotted config name
-CHECKPOINTING=${CHECKPOINTING:-fsdp.activation_checkpointing}
-BUDGET=${BUDGET:-570}
 START=$(date +%s)
+PLAN=${PLAN:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH="$ROOT:/tmp/site"
-VERL_PATH="/tmp/site-verl:/tmp/site:$ROOT"
+# the commit the records name: t1 keeps the one bench/stage_wheels.sh wrote (the copy's git metadata is stale)
+[ -f .whl/run/COMMIT ] && cp .whl/run/COMMIT /tmp/rlkit-commit
+RLKIT_COMMIT=$(cat /tmp/rlkit-commit 2>/dev/null || true)
+export RLKIT_COMMIT
 
 item() {  # item NAME ESTIMATE_S COMMAND...: run COMMAND unless the call's budget cannot cover its estimate
   local name=$1 est=$2 used
   shift 2
+  if [ -n "$PLAN" ]; then echo "$CALL $name $est"; return; fi
   used=$(( $(date +%s) - START ))
   if (( used + est > BUDGET )); then
     echo "=== SKIP $name: needs ~${est} s, ${used} s of ${BUDGET} used"
@@ -50,79 +48,124 @@ item() {  # item NAME ESTIMATE_S COMMAND...: run COMMAND unless the call's budge
   echo "=== $name: exit $? after $(( $(date +%s) - START - used )) s"
 }
 
-install() {  # the carried wheels: vLLM (parts fetched earlier + c5), TRL, verl (ray parts + v1)
-  mkdir -p /tmp/vp && cp .whl/vllm/c5/part5 /tmp/vp/ && cat /tmp/vp/part* > "/tmp/$(cat .whl/vllm/c5/name)" &&
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-      "/tmp/$(cat .whl/vllm/c5/name)" .whl/vllm/c5/deps/*.whl .whl/run/*.whl || return 1
-  if [ -f /tmp/verl/v0/part0 ] && [ -f /tmp/verl/v1/part1 ]; then
-    cat /tmp/verl/v0/part0 /tmp/verl/v1/part1 > "/tmp/$(cat /tmp/verl/v1/name)" &&
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-verl \
-        "/tmp/$(cat /tmp/verl/v1/name)" /tmp/verl/v1/deps/*.whl || return 1
+fetch() {  # fetch vllm/cN | verl/vN: keep this call's carried folder in /tmp for the call that installs
+  [ -n "$PLAN" ] && { echo "$CALL fetch-$1 10"; return; }
+  if [[ $1 == verl/* ]]; then mkdir -p "/tmp/$1" && cp -r ".whl/$1/." "/tmp/$1/"
+  else mkdir -p /tmp/vp && cp ".whl/$1"/part* /tmp/vp/; fi
+  du -sh /tmp/vp /tmp/verl/* 2>/dev/null
+}
+
+pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+
+install_run() {  # TRL and the three packages the image lacks for it (no vLLM needed for its HF generate)
+  [ -n "$PLAN" ] && { echo "$CALL install-trl 10"; return; }
+  pip_target /tmp/site .whl/run/*.whl && python3 -c "import trl; print('trl', trl.__version__)"
+}
+
+install_vllm() {  # the six parts carried by t1..t5 and r1
+  [ -n "$PLAN" ] && { echo "$CALL install-vllm 35"; return; }
+  local name
+  name=$(cat .whl/vllm/c5/name)
+  cp .whl/vllm/c5/part5 /tmp/vp/ && cat /tmp/vp/part* > "/tmp/$name" &&
+    pip_target /tmp/site "/tmp/$name" .whl/vllm/c5/deps/*.whl && python3 -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+install_verl() {  # Ray (split over v0 and v1), verl and its pins in their own target, TRL kept off verl's path
+  [ -n "$PLAN" ] && { echo "$CALL install-verl 25"; return; }
+  cat /tmp/verl/v0/part0 /tmp/verl/v1/part1 > "/tmp/$(cat /tmp/verl/v1/name)" &&
+    pip_target /tmp/site-verl "/tmp/$(cat /tmp/verl/v1/name)" /tmp/verl/v1/deps/*.whl || return 1
+  # verl's monkey patch imports TRL whenever it is importable, and fails on TRL 1.16 (GPU.md)
+  [ -d /tmp/site/trl ] && mv /tmp/site/trl /tmp/trl-aside
+  # what verl and vLLM's server import at module level that no staged wheel provides (bench/wheel_imports.py):
+  # the 2026-12-02 run found them on the image; a missing one is the blocker to report
+  PYTHONPATH="/tmp/site-verl:/tmp/site" python3 -c "import importlib.util as u; m = ['PIL', 'anyio', 'click',
+    'cloudpickle', 'cpuinfo', 'peft', 'prometheus_client', 'pyarrow', 'xxhash', 'annotated_doc', 'watchfiles',
+    'tokenizers', 'transformers', 'ray', 'verl', 'vllm']; print('not importable:', [n for n in m if u.find_spec(n) is None])"
+}
+
+GRPO=(python3 bench/grpo_step.py --root "$MODELS" --warmup 2 --steps 8)
+TRL=(python3 bench/trl_grpo.py --root "$MODELS" --warmup 2 --steps 8)
+LEVERS=(python3 bench/update_levers.py --root "$MODELS" --warmup 1 --steps 8 --device-memory-gib 139.8)
+
+t1() {
+  fetch vllm/c0
+  install_run
+  item trl-0.5b-hf 125 "${TRL[@]}" --shape 0.5b --label trl-hf --json "$RAW/trl-0.5b-hf.json"
+}
+
+t2() {  # the update's levers against each other on one batch, and one profiled update of the new default
+  fetch vllm/c1
+  item update-0.5b 150 "${LEVERS[@]}" --shape 0.5b --variants reshard+eager keep+eager keep+fused \
+    keep+fused+micro128 --profile keep+fused --label rlkit-update --json "$RAW/update-0.5b.json"
+}
+
+t3() {  # the 1.5B update's MFU with the defaults
+  fetch vllm/c2
+  item update-1.5b 150 "${LEVERS[@]}" --shape 1.5b --variants keep+fused --label rlkit-update-1.5b \
+    --json "$RAW/update-1.5b.json"
+}
+
+t4() {  # the GPU tests that need no vLLM (its two tests skip until r3)
+  fetch vllm/c3
+  item gpu-tests 120 python3 -m pytest -q tests/test_gpu.py -rs --durations=0
+}
+
+t5() {  # optional: where torch.compile stands for the decoder layers and the head on this image, and why
+  fetch vllm/c4
+  item compile-probe 160 python3 bench/compile_probe.py --root "$MODELS" --shape 0.5b --json "$RAW/compile-probe.json"
+}
+
+r1() {  # rlkit's step with bare vLLM alternating on the same rollout, the engine call taken apart above 1.15x
+  fetch vllm/c5
+  install_vllm || { echo "vLLM install failed"; return 1; }
+  item rlkit-0.5b-vllm 235 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --profile \
+    --label rlkit-vllm --json "$RAW/rlkit-0.5b-vllm.json"
+}
+
+r2() {
+  fetch verl/v0
+  item trl-0.5b-vllm 185 "${TRL[@]}" --shape 0.5b --vllm --label trl-vllm --json "$RAW/trl-0.5b-vllm.json"
+}
+
+r3() {  # the GPU tests that need vLLM; the mismatch figures (bench/mismatch.py, issue 25) where that bench exists
+  item gpu-tests-vllm 150 python3 -m pytest -q tests/test_gpu.py -k vllm -rs --durations=0
+  if [ -f bench/mismatch.py ]; then
+    item mismatch 175 python3 bench/mismatch.py --root "$MODELS" --shape 0.5b --engine vllm --steps 4 \
+      --label rlkit-mismatch --json "$RAW/mismatch.json"
   fi
-  python3 -c "import vllm, trl; print('vllm', vllm.__version__, 'trl', trl.__version__)"
 }
 
-finish() {  # join this call's records into one file under $OUT
-  python3 bench/collect.py "$OUT/$1.json" "$RAW/$1"/*.json --title "$1" || true
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
+v1() {  # verl 0.9.1 with the settings bench/verl_grpo.py documents; stopped at 510 s with the steps it logged
+  fetch verl/v1
+  install_verl || { echo "verl install failed"; return 1; }
+  item verl-0.5b 510 env PYTHONPATH="/tmp/site-verl:/tmp/site:$ROOT" python3 bench/verl_grpo.py --root "$MODELS" \
+    --shape 0.5b --warmup 2 --steps 8 --timeout 500 --label verl --json "$RAW/verl-0.5b.json"
 }
 
-GRPO=(python3 bench/grpo_step.py --root "$MODELS")
-TRL=(python3 bench/trl_grpo.py --root "$MODELS")
+CALLS=(t1 t2 t3 t4 t5 r1 r2 r3 v1)
+CALL_OVERHEAD=15  # seconds a call costs besides its items (carrying, starting the command)
+MACHINE_START=90
 
-r1() {
-  install || { echo "install failed"; return 1; }
-  item rlkit-0.5b-vllm 200 "${GRPO[@]}" --shape 0.5b --engine vllm --steps 4 --profile --bare-vllm \
-    --label rlkit-vllm --json "$RAW/r1/rlkit-0.5b-vllm.json"
-  item trl-0.5b-hf 90 "${TRL[@]}" --shape 0.5b --steps 4 --label trl-hf --json "$RAW/r1/trl-0.5b-hf.json"
-  item trl-0.5b-vllm 100 "${TRL[@]}" --shape 0.5b --steps 4 --vllm --label trl-vllm --json "$RAW/r1/trl-0.5b-vllm.json"
-  item rlkit-1.5b-vllm 110 "${GRPO[@]}" --shape 1.5b --engine vllm --steps 3 \
-    --label rlkit-vllm --json "$RAW/r1/rlkit-1.5b-vllm.json"
-}
-
-r2() {  # the GPU tests at this commit, TRL's 1.5B step, issue 15's variable lengths (padded vs packed)
-  item gpu-tests 200 python3 -m pytest -x -q tests/test_gpu.py
-  item trl-1.5b-hf 90 "${TRL[@]}" --shape 1.5b --steps 3 --label trl-hf --json "$RAW/r2/trl-1.5b-hf.json"
-  item rlkit-varlen-packed 130 "${GRPO[@]}" --shape 0.5b --lengths varlen --steps 3 --set "$PADDING_FREE=true" \
-    --label rlkit-varlen-packed --json "$RAW/r2/rlkit-varlen-packed.json"
-  item rlkit-varlen-padded 150 "${GRPO[@]}" --shape 0.5b --lengths varlen --steps 3 --set "$PADDING_FREE=false" \
-    --label rlkit-varlen-padded --json "$RAW/r2/rlkit-varlen-padded.json"
-}
-
-verl() {  # verl's GRPO (needs T5, T6)
-  item verl-0.5b 240 env PYTHONPATH="$VERL_PATH" python3 bench/verl_grpo.py --root "$MODELS" --shape 0.5b \
-    --steps 4 --label verl --json "$RAW/verl/verl-0.5b.json"
-}
-
-r3() {
-  [ -d /tmp/site/vllm ] || install || return 1
-  item trl-varlen-vllm 150 "${TRL[@]}" --shape 0.5b --lengths varlen --steps 3 --vllm \
-    --label trl-varlen-vllm --json "$RAW/r3/trl-varlen-vllm.json"
-  item rlkit-0.5b-offload 110 "${GRPO[@]}" --shape 0.5b --engine vllm --steps 3 --set fsdp.cpu_offload=true \
-    --label rlkit-offload --json "$RAW/r3/rlkit-0.5b-offload.json"
-}
-
-r4() {
-  [ -d /tmp/site/vllm ] || install || return 1
-  local shape=(--shape 3b --prompts 16 --group 8 --response-len 2048 --micro 16 --steps 3)
-  item rlkit-3b-2048 200 "${GRPO[@]}" "${shape[@]}" --label rlkit-3b --json "$RAW/r4/rlkit-3b.json"
-  item rlkit-3b-2048-ac 200 "${GRPO[@]}" "${shape[@]}" --set "$CHECKPOINTING=true" \
-    --label rlkit-3b-ac --json "$RAW/r4/rlkit-3b-ac.json"
-  item rlkit-3b-2048-offload 200 "${GRPO[@]}" "${shape[@]}" --set fsdp.cpu_offload=true \
-    --label rlkit-3b-offload --json "$RAW/r4/rlkit-3b-offload.json"
+plan() {  # the calls' items and estimates, and the totals
+  PLAN=1 RAW=""
+  local lines
+  lines=$(for CALL in "${CALLS[@]}"; do "$CALL"; done)
+  echo "$lines" | awk -v start="$MACHINE_START" -v over="$CALL_OVERHEAD" '
+    { per[$1] += $3; printf "  %-4s %-16s %5d s\n", $1, $2, $3; if ($2 ~ /compile-probe|mismatch/) opt += $3 }
+    END { for (c in per) { total += per[c] + over; n++ }
+          printf "machine start %d s + %d calls x %d s + items: %d s = %.1f min; without the optional items ", \
+            start, n, over, total + start, (total + start) / 60
+          printf "(compile-probe, mismatch) %.1f min; without verl too %.1f min\n", (total + start - opt) / 60, \
+            (total + start - opt - per["v1"] - over) / 60 }'
 }
 
 case "${1:-}" in
-  fetch)  # a transfer call: keep the carried folder for the call that installs
-    if [[ $2 == verl/* ]]; then mkdir -p "/tmp/$2" && cp -r .whl/"$2"/. "/tmp/$2/"; else mkdir -p /tmp/vp && cp .whl/"$2"/part* /tmp/vp/; fi
-    du -sh /tmp/vp /tmp/verl/* 2>/dev/null ;;
-  smoke)  # the first call: rlkit's GPU paths that need no vLLM, before the wheels are all carried
-    mkdir -p /tmp/vp && cp .whl/vllm/c0/part* /tmp/vp/
-    python3 -m pytest -x -q tests/test_packing_gpu.py "tests/test_gpu.py::test_trainer_steps_on_gpus" \
-      tests/test_runtime_memory.py -k "cuda or packed or bf16 or compiled or trainer" 2>&1 | tail -30 ;;
-  r1|r2|r3|r4|verl)
-    mkdir -p "$OUT" "$RAW/$1"
+  plan) plan ;;
+  t1|t2|t3|t4|t5|r1|r2|r3|v1)
+    CALL=$1 RAW="$OUT/$1" BUDGET=${BUDGET:-$([ "$1" = v1 ] && echo 570 || echo 290)}
+    mkdir -p "$RAW"
     "$1" 2>&1 | tee "$OUT/$1.log"
-    finish "$1" 2>&1 | tee -a "$OUT/$1.log" ;;
-  *) sed -n '2,30p' "$0"; exit 2 ;;
+    { python3 bench/collect.py "$OUT/$1.json" "$RAW"/*.json --title "$1" || true
+      nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true; } 2>&1 | tee -a "$OUT/$1.log" ;;
+  *) sed -n '2,25p' "$0"; exit 2 ;;
 esac

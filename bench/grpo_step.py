@@ -1,19 +1,23 @@
-"""One GRPO step of rlkit on a Qwen2.5-shaped model (random weights), phase by phase (figures, not a test).
+"""GRPO steps of rlkit on a Qwen2.5-shaped model (random weights), phase by phase (figures, not a test).
 
-    python bench/grpo_step.py --shape 0.5b --world-size 1 --engine vllm [--steps 4] [--beta 0.0] [--micro 64]
-        [--recompute-logprobs] [--lengths varlen] [--set fsdp.cpu_offload=true ...] [--bare-vllm]
-        [--profile] [--label NAME --json PATH]
+    python bench/grpo_step.py --shape 0.5b --world-size 1 --engine vllm [--warmup 2 --steps 8] [--beta 0.0]
+        [--micro 64] [--recompute-logprobs] [--lengths varlen] [--set fsdp.cpu_offload=true ...]
+        [--bare-vllm [--breakdown-above 1.15 --breakdown-rounds 3]] [--profile] [--label NAME --json PATH]
 
 The workload is ``bench/workloads.py``'s (GPU.md's yardstick by default; ``--lengths varlen`` is issue 15's
 512 completions of 16-2,048 tokens, mean ~500, forced per completion in the vllm engine). One optimizer
 step per batch; the old log-probs come from the update's own forward unless ``--recompute-logprobs``.
 ``--set`` overrides any config setting by its dotted name (values read as JSON, else text), e.g.
-``rollout.sleep=always``, ``rollout.engine_logprobs=1``, ``fsdp.cpu_offload=true``, or the settings of
-issue 15 (``padding_free=false``). Prints seconds per phase, tokens/s, MFU and peak memory, averaged over
-the steps after the first, and the preflight memory estimate (``rlkit.diagnostics.estimate_memory``) of each
-phase beside the peak measured there (``--estimate-only``: the estimate alone, nothing built or launched);
-``--bare-vllm`` then runs bare vLLM on the same rollout in this process (``bench/bare_vllm.py``) and prints
-rlkit's generation against it. ``--profile`` adds one profiled step.
+``rollout.sleep=always``, ``rollout.engine_logprobs=1``, ``fsdp.cpu_offload=true``.
+
+``--warmup`` steps run untimed, then ``--steps`` timed ones: every phase is reported as the median and the
+spread (min-max, IQR) of the timed steps (``bench/stats.py``), with tokens/s, MFU and peak memory, and the
+preflight memory estimate (``rlkit.diagnostics.estimate_memory``) of each phase beside the peak measured
+there (``--estimate-only``: the estimate alone). ``--bare-vllm`` builds bare vLLM in rank 0's worker, beside
+rlkit's engine (``bench/engine_calls.py``), and times it on the same rollout around every step, in ABBA
+order; the ratio of rlkit's generation to it is a paired ratio (median ratio and the spread of the per-step
+ratios). When that ratio is above ``--breakdown-above``, rlkit's engine call is taken apart in the same
+call (``engine_calls.breakdown``). ``--profile`` adds one profiled step after the timed ones, never timed.
 """
 
 from __future__ import annotations
@@ -25,14 +29,19 @@ import math
 import tempfile
 from pathlib import Path
 
+import engine_calls
 import pandas as pd
-from bare_vllm import bare_generate
+from profiling import start_profiler, stop_profiler
 from results import write_result
 from shapes import PEAK_BF16_FLOPS, SHAPES
+from stats import describe, describe_ratio, paired_ratio, spread, timed
 from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewards, workload_lengths
 
 import rlkit
 from rlkit import diagnostics as dx
+
+PHASES = ("step", "generate", "engine_sleep", "logprobs", "reference", "update", "sync")
+"""The history's ``time/step`` and ``time/worker/<phase>`` columns this bench reports."""
 
 
 def overrides(pairs: list[str]) -> dict:
@@ -56,13 +65,6 @@ def merged(base: dict, extra: dict) -> dict:
     return {**base, **{k: merged(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in extra.items()}}
 
 
-def engines():
-    """On a worker: the rollout engines this rank's roles hold."""
-    from rlkit.runtime import context
-
-    return [v.engine for v in context().state.values() if hasattr(v, "engine")]
-
-
 def force_lengths(lengths: list[int]) -> int:
     """On a worker: make its vLLM engine generate this rank's share of ``lengths``, one per completion."""
     from rlkit.runtime import context
@@ -70,38 +72,18 @@ def force_lengths(lengths: list[int]) -> int:
     ctx = context()
     share = len(lengths) // ctx.world_size
     mine = lengths[ctx.rank * share : (ctx.rank + 1) * share]
-    for engine in engines():
-        engine.llm.generate = ForcedLengths(engine.llm.generate, mine)
+    for role in context().state.values():
+        if hasattr(role, "engine") and hasattr(role.engine, "llm"):
+            role.engine.llm.generate = ForcedLengths(role.engine.llm.generate, mine)
     return len(mine)
 
 
 def engine_state() -> dict[str, object]:
     """On a worker: how its engine syncs and whether it sleeps (vllm only)."""
-    return {k: getattr(e, k) for e in engines() for k in ("last_sync", "_asleep") if hasattr(e, k)}
-
-
-def start_profiler():
-    import torch
-
     from rlkit.runtime import context
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities)
-    prof.start()
-    context().state["bench.profiler"] = prof
-
-
-def stop_profiler(rows: int) -> str:
-    import torch
-
-    from rlkit.runtime import context
-
-    prof = context().state.pop("bench.profiler")
-    prof.stop()
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    engines = [v.engine for v in context().state.values() if hasattr(v, "engine")]
+    return {k: str(getattr(e, k)) for e in engines for k in ("last_sync", "_asleep") if hasattr(e, k)}
 
 
 def device_memory_gib() -> float:
@@ -121,30 +103,33 @@ def memory_estimate(config: rlkit.GRPOConfig, args, device_gib: float) -> dx.Mem
     return dx.estimate_memory({"model_type": "qwen2", **SHAPES[args.shape]}, setting)
 
 
-def summarize(history, n_params: int, config: rlkit.GRPOConfig, args, peak_gib: float) -> dict[str, float]:
-    h = history.iloc[1:] if len(history) > 1 else history
-    mean = lambda c: float(h[c].mean()) if c in h else 0.0  # noqa: E731
+def summarize(history: pd.DataFrame, n_params: int, config: rlkit.GRPOConfig, args, peak_gib: float) -> dict:
+    """Medians and spreads of every phase over the timed steps, and the throughput figures from the medians."""
+    h = history.iloc[args.warmup:] if len(history) > args.warmup else history
+    column = {p: "time/step" if p == "step" else f"time/worker/{p}" for p in PHASES}
+    phases = {p: spread(h[c].tolist()) for p, c in column.items() if c in h}
+    median = lambda p: phases[p]["median"] if p in phases else 0.0  # noqa: E731
     samples = config.samples_per_step
-    response = mean("response/length/mean")
+    response = float(h["response/length/mean"].median())
     tokens = samples * (args.prompt_len + response)  # real tokens per step (no padding)
-    step, update, generate = mean("time/step"), mean("time/worker/update"), mean("time/worker/generate")
-    phases = ("generate", "engine_sleep", "logprobs", "reference", "update", "sync")
-    workers = sum(mean(f"time/worker/{p}") for p in phases)
+    step, update, generate = median("step"), median("update"), median("generate")
     forwards = int(config.recompute_logprobs) + int(config.kl_coef > 0)  # old log-probs, reference
     flops = tokens * n_params * (6 + 2 * forwards)  # train (fwd+bwd) + scoring forwards; generation excluded
+    workers = sum(median(p) for p in PHASES[1:])
     return {
-        "step_s": step,
-        **{f"{p}_s": mean(f"time/worker/{p}") for p in phases},
-        "controller_overhead_s": step - workers - mean("time/score") - mean("time/advantages"),
+        "phases": phases,
+        **{f"{p}_s": median(p) for p in PHASES},
+        "controller_overhead_s": step - workers - float(h["time/score"].median() + h["time/advantages"].median()),
         "response_len_mean": response,
         "rollout_tokens_per_s": samples * response / max(generate, 1e-9),
         "update_tokens_per_s": tokens / max(update, 1e-9),
         "mfu_update": 6 * n_params * tokens / max(update, 1e-9) / (PEAK_BF16_FLOPS * args.world_size),
         "mfu_step": flops / step / (PEAK_BF16_FLOPS * args.world_size),
         "peak_gib_max_rank": peak_gib,
-        "reward_mean": mean("reward/mean"),
-        "logprob_gap_mean": mean("rollout/logprob_gap/mean"),
+        "reward_mean": float(h["reward/mean"].median()),
+        "logprob_gap_mean": float(h["rollout/logprob_gap/mean"].median()) if "rollout/logprob_gap/mean" in h else None,
         "steps_s": [float(x) for x in history["time/step"]],
+        "warmup": args.warmup,
     }
 
 
@@ -161,12 +146,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro", type=int, default=64, help="sequences per forward/backward")
     parser.add_argument("--recompute-logprobs", action="store_true", help="score rollouts in a separate pass")
     parser.add_argument("--beta", type=float, default=0.0, help="kl_coef (0: no reference model)")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config setting")
-    parser.add_argument("--bare-vllm", action="store_true", help="then bare vLLM on the same rollout")
+    parser.add_argument("--bare-vllm", action="store_true", help="alternate bare vLLM on the same rollout")
+    parser.add_argument("--bare-memory", type=float, default=0.15, help="bare vLLM's gpu_memory_utilization")
+    parser.add_argument("--breakdown-above", type=float, default=1.15, help="take the engine call apart above this")
+    parser.add_argument("--breakdown-rounds", type=int, default=3)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="one more step, profiled, not timed")
     parser.add_argument("--estimate-only", action="store_true", help="print the memory estimate and stop")
     parser.add_argument("--device-memory-gib", type=float, default=139.8, help="with --estimate-only (H200)")
     parser.add_argument("--label", default="rlkit")
@@ -174,20 +163,48 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.lengths == "varlen" and args.engine != "vllm":
         parser.error("--lengths varlen forces lengths through vLLM: use --engine vllm")
+    if args.bare_vllm and args.engine != "vllm":
+        parser.error("--bare-vllm compares against rlkit's vLLM engine: use --engine vllm")
     return args
 
 
 def run_config(args, model: str) -> rlkit.GRPOConfig:
     fixed = args.lengths == "fixed"
     base = {
-        "model": model, "seed": 0, "steps": args.steps, "prompts_per_step": args.prompts,
-        "group_size": args.group, "kl_coef": args.beta, "micro_batch_size": args.micro,
-        "recompute_logprobs": args.recompute_logprobs, "optim": {"lr": 1e-6},
+        "model": model, "seed": 0, "steps": args.warmup + args.steps + int(args.profile),
+        "prompts_per_step": args.prompts, "group_size": args.group, "kl_coef": args.beta,
+        "micro_batch_size": args.micro, "recompute_logprobs": args.recompute_logprobs, "optim": {"lr": 1e-6},
         "rollout": {"engine": args.engine, "max_new_tokens": args.response_len,
                     "min_new_tokens": args.response_len if fixed else 0},
         "data": {"max_prompt_tokens": args.prompt_len},
     }
     return rlkit.GRPOConfig.from_dict(merged(base, overrides(args.set)))
+
+
+def run_steps(cluster, trainer, args) -> list[dict[str, float]]:
+    """warmup + steps trainer steps; with --bare-vllm one bare call beside each, before it or after it in ABBA
+    order (so drift in either direction cancels). Returns the bare calls."""
+    bare = []
+    for i in range(args.warmup + args.steps):
+        first = args.bare_vllm and i % 4 in (1, 2)
+        if first:
+            bare.append(cluster.run(engine_calls.bare_call)[0])
+        trainer.step()
+        if args.bare_vllm and not first:
+            bare.append(cluster.run(engine_calls.bare_call)[0])
+    return bare
+
+
+def compare_with_bare(figures: dict, history: pd.DataFrame, bare_calls: list[dict], cluster, args) -> None:
+    """Bare vLLM's spread, rlkit's generation over it (paired by step), and the breakdown when it is above the
+    threshold (this process holds both engines still)."""
+    ours = timed(history["time/worker/generate"].tolist(), args.warmup)
+    theirs = timed([c["s"] for c in bare_calls], args.warmup)
+    figures["bare_vllm"] = {"generate": spread(theirs), "generate_s": spread(theirs)["median"], "calls": bare_calls}
+    figures["generate_over_bare"] = paired_ratio(ours, theirs)
+    figures["engine_settings_differ"] = cluster.run(engine_calls.settings)[0]
+    if figures["generate_over_bare"]["ratio_of_medians"] > args.breakdown_above:
+        figures["breakdown"] = cluster.run(engine_calls.breakdown, args.breakdown_rounds)[0]
 
 
 def main() -> None:
@@ -199,56 +216,68 @@ def main() -> None:
     model_dir = build_model_dir(args.shape, args.root)
     prompts = digit_prompts(args.prompts * 4, args.prompt_len)
     config = run_config(args, str(model_dir))
+    profile = None
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
         trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards, prompts=prompts)
         if lengths:
             cluster.run(force_lengths, lengths)
-        history = trainer.fit(args.steps, progress=False)
+        if args.bare_vllm:
+            bare_start = cluster.run(engine_calls.start_bare, str(model_dir), prompts[: args.prompts], args.group,
+                                     args.response_len, lengths, args.bare_memory)[0]
+        bare_calls = run_steps(cluster, trainer, args)
+        history = trainer.history
         # the last step's peak: each memory mark's peak_mb covers its phase (the history's peak columns are
         # read just after a mark resets the peak, so they hold what stays allocated, not the peak)
         marks = trainer.memory()
         peak_gib = float(marks["peak_mb"].max()) / 1024
         device_gib = cluster.run(device_memory_gib)[0]
-        state = cluster.run(engine_state)[0]
-        profile = None
+        n_params = _param_count(model_dir)
+        figures = {**summarize(history, n_params, config, args, peak_gib), "n_params": n_params,
+                   "engine_state": cluster.run(engine_state)[0], "config": config.to_dict()}
+        if args.bare_vllm:
+            figures["bare_start"] = bare_start
+            compare_with_bare(figures, history, bare_calls, cluster, args)
+            cluster.run(engine_calls.stop_bare)
         if args.profile:
             cluster.run(start_profiler)
             trainer.step()
             profile = cluster.run(stop_profiler, 25)[0]
-    n_params = _param_count(model_dir)
-    figures = {**summarize(history, n_params, config, args, peak_gib), "n_params": n_params,
-               "engine_state": {k: str(v) for k, v in state.items()}, "config": config.to_dict(), "profile": profile}
+            figures["profile"] = profile
     if math.isfinite(device_gib):
         estimate = memory_estimate(config, args, device_gib)
         figures["memory_estimate"] = estimate.to_pandas().round(3).to_dict()
         figures["estimate_vs_measured"] = estimate.compare_marks(marks).to_dict("records")
-    if args.bare_vllm:
-        bare = bare_generate(model_dir, prompts[: args.prompts], group=args.group, response_len=args.response_len,
-                             lengths=lengths)
-        figures["bare_vllm"] = bare
-        figures["generate_over_bare"] = figures["generate_s"] / bare["generate_s"]
     report(figures, n_params, args, profile)
     write_result(args.json, args.label, figures, args)
 
 
-def report(figures: dict, n_params: int, args, profile: str | None) -> None:
+def report(figures: dict, n_params: int, args, profile: dict[str, str] | None) -> None:
     print(f"rlkit GRPO step: {args.shape} ({n_params / 1e6:.0f}M), {args.world_size} rank(s), engine {args.engine}, "
           f"{args.prompts}x{args.group} completions ({args.lengths}, up to {args.response_len} tokens), "
-          f"beta {args.beta}, micro-batch {args.micro}, settings {args.set}")
+          f"beta {args.beta}, micro-batch {args.micro}, settings {args.set}, {args.warmup} warm-up + "
+          f"{args.steps} timed steps")
+    for phase, s in figures["phases"].items():
+        print(f"  {phase:<24}{describe(s)}")
     for key, value in figures.items():
-        if isinstance(value, float):
+        if isinstance(value, float) and not key.endswith("_s"):
             print(f"  {key:<24}{value:>12.4g}")
     print(f"  engine                  {figures['engine_state']}")
     if "bare_vllm" in figures:
-        print(f"  bare vLLM generate      {figures['bare_vllm']['generate_s']:>12.4g}   "
-              f"(rlkit / bare = {figures['generate_over_bare']:.3f})")
+        print(f"  bare vLLM generate      {describe(figures['bare_vllm']['generate'])}")
+        print(f"  rlkit / bare (generate) {describe_ratio(figures['generate_over_bare'])}")
+        print(f"  engine settings that differ: {figures['engine_settings_differ']}")
+        for variant, s in figures.get("breakdown", {}).get("variants", {}).items():
+            print(f"  breakdown {variant:<14}{describe(s['s'])}; vLLM CPU {describe(s['vllm_cpu_s'])}; "
+                  f"worker CPU {describe(s['worker_cpu_s'])}")
     if "estimate_vs_measured" in figures:
         print("  memory estimate (GiB per rank) against the last step's measured peaks:")
         print(pd.DataFrame(figures["memory_estimate"]).to_string())
         print(pd.DataFrame(figures["estimate_vs_measured"]).to_string(index=False))
     if profile:
         print("profile of one step, rank 0 (top operators by self device time):")
-        print(profile)
+        print(profile["ops"])
+        print("the same by input shapes:")
+        print(profile["shapes"])
 
 
 def _param_count(model_dir: Path) -> int:

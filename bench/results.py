@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -41,10 +42,11 @@ def environment() -> dict[str, object]:
             env["cuda"] = torch.version.cuda
     except ImportError:
         pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    # on a device machine the copy's git metadata may be stale: bench/gpu_session.sh passes the commit that
+    # bench/stage_wheels.sh wrote beside the wheels
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                             cwd=Path(__file__).parent, check=False)
-    staged = Path(__file__).parent.parent / ".whl" / "run" / "COMMIT"  # written by bench/stage_wheels.sh
-    env["commit"] = commit.stdout.strip() or (staged.read_text().strip() if staged.is_file() else None)
+    env["commit"] = os.environ.get("RLKIT_COMMIT") or commit.stdout.strip() or None
     return env
 
 

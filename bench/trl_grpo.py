@@ -1,6 +1,6 @@
 """The peer: TRL's GRPOTrainer on the same workload as bench/grpo_step.py (figures, not a test).
 
-    python bench/trl_grpo.py --shape 0.5b [--steps 4] [--beta 0.0] [--micro 64] [--gradient-checkpointing]
+    python bench/trl_grpo.py --shape 0.5b [--warmup 2 --steps 8] [--beta 0.0] [--micro 64] [--gradient-checkpointing]
         [--vllm [--vllm-gpu-memory-utilization 0.3] [--vllm-is-correction]] [--lengths varlen] [--json PATH]
 
 Same model directory (random weights, built by bench/grpo_step.py's
@@ -10,10 +10,12 @@ temperature; HF generate inside TRL. One optimizer step consumes all
 gradient accumulation), so a TRL step and an rlkit step do the same work.
 Activation checkpointing is off, as in rlkit (TRL's GRPOConfig turns it on
 by default; ``--gradient-checkpointing`` restores that).
-Prints seconds per step and in generation (medians after the first step;
-timed by wrapping the model's ``generate``, or with ``--vllm`` vLLM's), so the
-rest of the step (scoring, the training forward/backward, the optimizer)
-follows. Run on one GPU (TRL's multi-GPU path needs accelerate launch).
+Prints seconds per step and in generation (timed by wrapping the model's
+``generate``, or with ``--vllm`` vLLM's) and the rest of the step (scoring,
+the training forward/backward, the optimizer: step minus generation, step by
+step), each as the median and spread of the ``--steps`` timed steps after
+``--warmup`` untimed ones (``bench/stats.py``). Run on one GPU (TRL's
+multi-GPU path needs accelerate launch).
 
 ``--vllm`` is TRL's colocate vLLM mode (one engine in this process, sharing
 the GPU, ``gpu_memory_utilization`` 0.3 by default, no sleep mode; vLLM's
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 from results import write_result
+from stats import describe, spread, timed
 from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewards, workload_lengths
 
 
@@ -96,7 +99,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm", action="store_true", help="TRL's colocate vLLM mode instead of HF generate")
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--vllm-is-correction", action="store_true", help="TRL's importance-sampling correction")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--label", default="trl")
     parser.add_argument("--json", type=Path)
@@ -136,7 +140,7 @@ def trl_config(args, completions: int):
         learning_rate=1e-6,
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
-        max_steps=args.steps,
+        max_steps=args.warmup + args.steps,
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -156,7 +160,7 @@ def main() -> None:
     from trl import GRPOTrainer
 
     model_dir = build_model_dir(args.shape, args.root)
-    prompts = digit_prompts(args.prompts * args.steps, args.prompt_len)
+    prompts = digit_prompts(args.prompts * (args.warmup + args.steps), args.prompt_len)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.pad_token = tokenizer.eos_token
     completions = args.prompts * args.group
@@ -183,41 +187,42 @@ def main() -> None:
     print(
         f"TRL GRPO step: {args.shape}, {'vLLM colocate' if args.vllm else 'HF generate'}, {args.prompts}x{args.group} "
         f"completions ({args.lengths}, up to {args.response_len} tokens), beta {args.beta}, micro-batch {args.micro}, "
-        f"gradient checkpointing {args.gradient_checkpointing}: median step {figures['step_s']:.3f} s "
-        f"(all: {', '.join(f'{t:.2f}' for t in timer.times)}); peak {figures['peak_gib']:.1f} GiB"
+        f"gradient checkpointing {args.gradient_checkpointing}, {args.warmup} warm-up + {args.steps} timed steps; "
+        f"peak {figures['peak_gib']:.1f} GiB"
     )
-    print(
-        f"  generate {figures['generate_s']:.3f} s ({figures['rollout_tokens_per_s']:.0f} tokens/s), the rest of "
-        f"the step {figures['rest_s']:.3f} s ({figures['train_tokens_per_s']:.0f} training tokens/s)"
-    )
+    for phase, spread_ in figures["phases"].items():
+        print(f"  {phase:<10}{describe(spread_)}")
+    print(f"  {figures['rollout_tokens_per_s']:.0f} rollout tokens/s, {figures['train_tokens_per_s']:.0f} training "
+          f"tokens/s (all steps: {', '.join(f'{t:.2f}' for t in timer.times)})")
     write_result(args.json, args.label, figures, args)
 
 
 def summarize(args, timer: StepTimer, generation: GenerateTimer, trainer, completions: int) -> dict:
     import torch
 
-    step = _median_after_first(timer.times)
-    generate = _median_after_first(generation.times) if len(generation.times) == len(timer.times) else float("nan")
+    steps = timed(timer.times, args.warmup)
+    paired = len(generation.times) == len(timer.times)  # one generate call per optimizer step
+    generate = timed(generation.times, args.warmup) if paired else []
+    rest = [s - g for s, g in zip(steps, generate, strict=True)] if paired else []
+    phases = {"step": spread(steps), "generate": spread(generate), "rest": spread(rest)}
+    median = {k: v.get("median", float("nan")) for k, v in phases.items()}
     lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
     response = lengths[-1] if lengths else float(args.response_len)
     tokens = completions * (args.prompt_len + response)
     return {
-        "step_s": step,
-        "generate_s": generate,
-        "rest_s": step - generate,
+        "phases": phases,
+        "step_s": median["step"],
+        "generate_s": median["generate"],
+        "rest_s": median["rest"],
         "response_len_mean": response,
-        "rollout_tokens_per_s": completions * response / generate,
-        "train_tokens_per_s": tokens / (step - generate),
+        "rollout_tokens_per_s": completions * response / median["generate"],
+        "train_tokens_per_s": tokens / median["rest"],
         "steps_s": timer.times,
         "generate_calls_s": generation.times,
+        "warmup": args.warmup,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
         "log_keys": sorted({k for r in trainer.state.log_history for k in r}),
     }
-
-
-def _median_after_first(times: list[float]) -> float:
-    steady = sorted(times[1:] or times)
-    return steady[len(steady) // 2]
 
 
 if __name__ == "__main__":

@@ -101,10 +101,32 @@ def test_every_term_by_hand():
                             "logits": 4 * 1000 * 4 * 2, "gathered": 0}
     assert b["optimizer_step"] == {**state, "engine": engine, "optimizer": 8 * P + 4 * P, "gathered": 0}  # foreach
     assert b["weight_sync"] == {**state, "engine": engine, "gathered": 4 * 1000 * 64}  # the largest fp32 param
+    # units kept gathered through the step's 2 micro-batches: every unit's bf16 weights and fp32 gradients, and in
+    # backward the root's and one layer's bf16 gradients
+    kept = phase_bytes(shape, dataclasses.replace(s, keep_unsharded=True))
+    assert kept["update"]["gathered"] == P * (2 + 4)
+    assert kept["backward"]["gathered"] == P * (2 + 4) + (64_064 + 37_120) * 2
     est = dx.estimate_memory(SMALL, s)
-    in_process = sum(b["update"].values()) / GiB
+    assert est.keep_unsharded and s.micro_batches_per_step == 2  # rlkit keeps them: it fits
+    in_process = sum(kept["update"].values()) / GiB
     assert est.phases["update"]["rest"] == pytest.approx(CUDA_CONTEXT_GIB + FRAGMENTATION * in_process)
-    assert est.peak_phase == "backward" and est.fits and est.fixes == []  # the gradients of the 64k-entry root
+    assert est.peak_phase == "update" and est.fits and est.fixes == []  # the logits beside the kept units
+
+
+def test_units_are_kept_gathered_where_the_step_then_fits_with_room():
+    s = small_setting()
+    assert dx.estimate_memory(SMALL, s).keep_unsharded
+    assert not dx.estimate_memory(SMALL, s, micro_batch_size=4).keep_unsharded  # one micro-batch: nothing to keep
+    assert not dx.estimate_memory(SMALL, s, cpu_offload=True).keep_unsharded
+    assert not dx.estimate_memory(SMALL, s, fsdp_version=1).keep_unsharded  # FSDP1's no_sync would sum in bf16
+    assert dx.estimate_memory(SMALL, s, fsdp_version=1, compute_dtype="fp32").keep_unsharded
+    kept, plain = (dx.estimate_memory(SMALL, s, keep_unsharded=k).peak_gib for k in (True, False))
+    tight = (kept + plain) / 2 / 0.9  # keeping them would leave less than 10% of this device free
+    assert not dx.estimate_memory(SMALL, s, device_memory_gib=tight).keep_unsharded
+    cfg = rlkit.GRPOConfig(prompts_per_step=2, group_size=2, micro_batch_size=2,
+                           rollout=rlkit.RolloutConfig(max_new_tokens=8, max_prompt_tokens=8))
+    assert dx.keeps_unsharded(cfg, SMALL, world_size=1, device_memory_gib=80, compute_dtype="bf16")
+    assert not dx.keeps_unsharded(cfg, SMALL, world_size=1, device_memory_gib=tight, compute_dtype="bf16")
 
 
 def test_a_token_budget_counts_whole_padded_rows_unless_packed():
@@ -246,7 +268,14 @@ def test_qwen_3b_on_one_h200_does_not_fit():
     assert est.allocated_gib() == pytest.approx(139.6, abs=0.1)  # above the 128.8 GiB the OOM reported
     assert [f.setting for f in est.fixes] == ["fsdp.activation_checkpointing", "micro_batch_size",
                                               "fsdp.cpu_offload", "world_size", "rollout.engine"]
-    assert str(est.fixes[0]).startswith("turn on fsdp.activation_checkpointing (peak 147.6 -> 70.3 GiB, fits)")
+    assert not est.keep_unsharded
+    # with checkpointing it fits with room to keep the units gathered (18.5 GB of bf16 weights and fp32 gradients
+    # more than the 70.3 GiB without), which rlkit then does
+    assert str(est.fixes[0]).startswith("turn on fsdp.activation_checkpointing (peak 147.6 -> 87.5 GiB, fits)")
+    checkpointed = dx.estimate_memory(QWEN_3B, **ISSUE_15_RUN, activation_checkpointing=True)
+    assert checkpointed.keep_unsharded and checkpointed.peak_gib == pytest.approx(87.5, abs=0.1)
+    alone = dx.estimate_memory(QWEN_3B, **ISSUE_15_RUN, activation_checkpointing=True, keep_unsharded=False)
+    assert alone.peak_gib == pytest.approx(70.3, abs=0.1)
     row = est.compare(128.8).iloc[0]
     assert row["phase"] == "update"
     assert row["measured/predicted"] == pytest.approx(128.8 / est.allocated_gib(), abs=1e-3)
@@ -271,7 +300,8 @@ def test_each_fix_is_the_estimate_with_that_change():
 
 
 def test_vllm_engine_awake_in_rollout_asleep_in_update():
-    run = {**ISSUE_15_RUN, "engine": "vllm", "gpu_memory_utilization": 0.9, "micro_batch_size": 2}
+    run = {**ISSUE_15_RUN, "engine": "vllm", "gpu_memory_utilization": 0.9, "micro_batch_size": 2,
+           "keep_unsharded": False}
     est = dx.estimate_memory(QWEN_3B, **run)
     assert est.phases["rollout"]["engine"] == pytest.approx(0.9 * H200_GIB)
     assert est.phases["update"]["engine"] == pytest.approx(VLLM_ASLEEP_GIB)

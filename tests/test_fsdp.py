@@ -130,6 +130,43 @@ def test_gradient_accumulation_invariance(cluster, model_dir):
     assert_adam_step_matches(accumulated["weights"], whole["weights"], reference_update().grads, LR, "micro=1")
 
 
+def kept_update(model_dir: str, version: int, keep: bool) -> dict:
+    """On a worker: micro-batches of 1 with FSDP's units kept gathered through the step or not; the weights, and
+    whether the first layer's weight was still a sharded DTensor as each micro-batch began and after the update
+    and a no-grad forward (FSDP2 registers its unsharded parameters as plain tensors while gathered)."""
+    from role_runs import rank_share
+    from torch.distributed.tensor import DTensor
+
+    from rlkit.fsdp import iter_full_params
+    from rlkit.workers import PolicyRows, PolicyWorker
+
+    worker = PolicyWorker(config(version, 1), model_dir)
+    worker.actor.keep_unsharded = keep
+    layer = worker.actor.model.model.layers[0].self_attn.q_proj
+    sharded, new_logprobs = [], worker._new_logprobs
+    worker._new_logprobs = lambda micro: sharded.append(isinstance(layer.weight, DTensor)) or new_logprobs(micro)
+    share = rank_share(make_batch())
+    worker.update(PolicyRows(**{k: v for k, v in share.items() if k != "advantages"}, advantages=share["advantages"]))
+    after_update = isinstance(layer.weight, DTensor)
+    worker._scored_logprobs(worker.actor.model, share["input_ids"], share["attention_mask"])
+    weights = dict(iter_full_params(worker.actor.model))
+    return {"sharded": sharded, "after": [after_update, isinstance(layer.weight, DTensor)], "weights": weights}
+
+
+@pytest.mark.timeout(120)
+def test_units_kept_gathered_through_the_micro_batches_give_the_same_update(cluster, model_dir):
+    """FSDP2 gathers once per step (the first micro-batch) where the units are kept, every micro-batch where
+    not, reshards after both, and the updates agree; FSDP1's no_sync (fp32 on CPU) agrees too."""
+    grads = reference_update().grads
+    kept, plain = (cluster.run(kept_update, model_dir, 2, keep)[0] for keep in (True, False))
+    assert kept["sharded"] == [True, False, False, False] and plain["sharded"] == [True] * 4
+    assert kept["after"] == plain["after"] == [True, True]  # resharded after the update and after a forward
+    assert_adam_step_matches(kept["weights"], plain["weights"], grads, LR, "kept gathered")
+    fsdp1 = [cluster.run(kept_update, model_dir, 1, keep)[0]["weights"] for keep in (True, False)]
+    assert_adam_step_matches(fsdp1[0], fsdp1[1], grads, LR, "FSDP1 no_sync")
+    assert_adam_step_matches(fsdp1[0], plain["weights"], grads, LR, "FSDP1 against FSDP2")
+
+
 @pytest.mark.timeout(120)
 def test_token_budget_micro_batches_give_the_update_of_one_big_batch(cluster, model_dir):
     """Micro-batches of at most 10 or 20 real tokens (rows of 8 to 10: 1 or 2 rows each, reordered longest first)

@@ -87,17 +87,51 @@ def test_response_head_is_the_lm_head_outside_scoring_and_keeps_names_and_tying(
         pass
 
 
+def test_a_cpu_head_runs_the_eager_math_and_a_failed_compile_falls_back_to_it(monkeypatch, caplog):
+    """On a GPU the head compiles its chunk math (tests/test_gpu.py checks it against eager); where compiling
+    fails it says why once and runs the eager math, with the same results."""
+    import torch._dynamo.exc
+
+    import rlkit.models.head as head_module
+
+    head = ResponseHead(torch.nn.Linear(8, 33, bias=False))
+    assert head.chunk_math is None  # picked by the device at the first scoring forward
+    with head.scoring(torch.tensor([1, 3, 6]), torch.tensor([2, 4, 7]), 1.0, "detached"):
+        head(torch.randn(2, 5, 8))
+    assert head.chunk_math is head_module.EAGER
+
+    def broken(fn):
+        def call(*args):
+            error = RuntimeError("NoValidChoicesError")
+            raise torch._dynamo.exc.BackendCompilerFailed(fn, error, first_useful_frame=None)
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    torch.manual_seed(3)
+    hidden = torch.randn(9, 8, requires_grad=True)
+    weight = torch.randn(33, 8, requires_grad=True)
+    tokens = torch.randint(0, 33, (9,))
+    results = []
+    for chunk_math in (head_module.EAGER, head_module.fused_chunk_math()):
+        out = linear_logprobs(hidden, weight, tokens, 0.8, "grad", chunk_rows=3, math=chunk_math)
+        results.append((out, *torch.autograd.grad(out.sum(), (hidden, weight))))
+    for eager, fallen_back in zip(*results, strict=True):
+        torch.testing.assert_close(fallen_back, eager, atol=0, rtol=0)
+    assert "did not compile (BackendCompilerFailed" in caplog.text and "runs eagerly" in caplog.text
+    assert caplog.text.count("did not compile") == 2  # stats and grad, once each
+
+
 @pytest.mark.slow
 def test_compiled_chunk_math_matches_eager():
     """What FSDPConfig.compile switches the head to (compiling takes ~30 s on 2 CPU cores)."""
-    from rlkit.models.head import compiled_chunk_math
+    from rlkit.models.head import fused_chunk_math
 
     torch.manual_seed(2)
     hidden = torch.randn(9, 8, requires_grad=True)
     weight = torch.randn(33, 8, requires_grad=True)
     tokens = torch.randint(0, 33, (9,))
     results = []
-    for chunk_math in (None, compiled_chunk_math()):
+    for chunk_math in (None, fused_chunk_math()):
         out = linear_logprobs(hidden, weight, tokens, 0.8, "grad", chunk_rows=3, math=chunk_math)
         results.append((out, *torch.autograd.grad(out.sum(), (hidden, weight))))
     for eager, compiled in zip(*results, strict=True):

@@ -135,3 +135,65 @@ def test_tensor_parallel_engine_agrees_with_the_trainer_as_closely_as_an_engine_
     print(f"log-prob gap after syncs: TP=1 {synced[1]:.4f}, TP=2 {synced[2]:.4f}; skipped sync: {stale}")
     assert synced[2] < 0.05 and synced[2] <= 2 * synced[1] + 0.005
     assert stale[2] > 3 * synced[2]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("entropy", ["detached", "grad"])
+def test_fused_head_compiles_on_the_gpu_and_matches_the_eager_head(entropy):
+    """A ResponseHead on a GPU picks the compiled chunk math; it compiles (no fallback) and its log-probs, entropies
+    and gradients equal the eager math's within bf16 rounding (both take the softmax in fp32 from bf16 logits)."""
+    from rlkit.models.head import EAGER, ResponseHead, linear_logprobs
+
+    torch.manual_seed(0)
+    rows, hidden_size, vocab = 3000, 256, 32_768  # 3 chunks of 1,024 rows at V = 32,768, the last one short
+    head = ResponseHead(torch.nn.Linear(hidden_size, vocab, bias=False)).cuda().to(torch.bfloat16)
+    hidden = torch.randn(rows, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows,), device="cuda")
+    with head.scoring(torch.arange(rows, device="cuda"), tokens, 0.7, entropy):
+        head(hidden)
+    fused = head.chunk_math
+    assert fused is not None and fused.name == "fused"
+    weights = torch.randn(rows, 2, device="cuda")
+    results = []
+    for math in (EAGER, fused, fused):  # the fused math twice: the second call runs the compiled kernels
+        out = linear_logprobs(hidden, head.weight, tokens, 0.7, entropy, chunk_rows=1024, math=math)
+        results.append((out, *torch.autograd.grad((out * weights).sum(), (hidden, head.weight))))
+    assert fused.stats.failure is None and fused.grad.failure is None, (fused.stats.failure, fused.grad.failure)
+    for eager, compiled in zip(results[0], results[2], strict=True):
+        rel = (compiled.float() - eager.float()).norm() / eager.float().norm()
+        assert rel < 1e-2, f"relative difference {rel:.3g}"
+
+
+def kept_bf16_update(model_dir: str, keep: bool) -> dict[str, float]:
+    """On a worker: a bf16-compute update of the small Qwen2 in micro-batches of 2 with FSDP's units kept gathered
+    through the step or not; each parameter's gradient sum of squares before clipping, and the global norm."""
+    from role_runs import rank_share
+
+    from rlkit.workers import PolicyRows, PolicyWorker
+
+    cfg = rlkit.GRPOConfig(rollout=rlkit.RolloutConfig(max_new_tokens=8), micro_batch_size=2)
+    worker = PolicyWorker(cfg, model_dir)
+    assert worker.actor.keep_unsharded  # the estimate's choice on a GPU for this small model
+    worker.actor.keep_unsharded = keep
+    gen = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 512, (8, 24), generator=gen), "attention_mask": torch.ones(8, 24).long(),
+             "response_mask": torch.ones(8, 8), "advantages": torch.randn(8, 8, generator=gen)}
+    result = worker.update(PolicyRows(**rank_share(batch)))
+    report = worker.grad_report()
+    worker.close()
+    return {**{e.name: e.sumsq for e in report.entries}, "global norm": result.metrics["actor/grad_norm"]}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+@pytest.mark.timeout(300)
+def test_units_kept_gathered_give_the_same_bf16_gradients(tmp_path):
+    """4 micro-batches in bf16 with fp32 gradient reduction: kept gathered (gradients summed unsharded in fp32) and
+    resharded every micro-batch give every parameter the same gradient to within fp32 summation order."""
+    model_dir = save_model_dir(small_qwen2(), tmp_path)
+    with rlkit.launch(world_size=1, device="cuda") as cluster:
+        kept = cluster.run(kept_bf16_update, model_dir, True)[0]
+        plain = cluster.run(kept_bf16_update, model_dir, False)[0]
+    assert kept.keys() == plain.keys() and plain["global norm"] > 0
+    for name, value in plain.items():
+        assert kept[name] == pytest.approx(value, rel=1e-3, abs=1e-12), name

@@ -102,7 +102,6 @@ def compiled_layout() -> dict:
     from torch.distributed._composable import checkpoint
 
     from rlkit.fsdp import apply_fsdp, build_mesh
-    from rlkit.models.head import EAGER
     from rlkit.runtime import context
 
     config = rlkit.FSDPConfig(activation_checkpointing=True, compile=True)
@@ -115,7 +114,7 @@ def compiled_layout() -> dict:
         "before": names,
         "compiled": [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers],
         "checkpointed": [checkpoint.state(layer).enable_hook for layer in layers],
-        "head": model.lm_head._math != EAGER,
+        "head": model.lm_head.chunk_math.name == "fused",
     }
 
 

@@ -12,6 +12,7 @@ checkpoint settings.
 
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
+from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import (
     DataConfig,
     PreferenceDataConfig,
@@ -55,6 +56,7 @@ __all__ = [
     "RewardSpec",
     "RewardModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "SHARDING",
     "ValidationConfig",
     "config_from_dict",

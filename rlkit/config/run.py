@@ -13,6 +13,7 @@ from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.algos.losses import POLICY_LOSSES
 from rlkit.config.checks import ConfigError, need
+from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import (
@@ -79,10 +80,17 @@ class RLConfig:
     dual_clip: float | None = None
     """Dual-clip constant c > 1 capping the loss of negative-advantage tokens at -c * A (e.g. 3.0); None = off."""
     policy_loss: str = "ppo_clip"
-    """Policy loss (rlkit.algos.POLICY_LOSSES): "ppo_clip" (per-token ratio, PPO) or "gspo" (the sequence's
+    """Policy loss (rlkit.algos.POLICY_LOSSES): "ppo_clip" (per-token ratio, PPO); "gspo" (the sequence's
     length-normalised ratio on every token, GSPO-token, Zheng et al. 2025; the paper clips with
-    clip_eps=3e-4, clip_high=4e-4 and aggregates with "seq-mean-token-mean"). Trainer(policy_loss_fn=...)
-    overrides it."""
+    clip_eps=3e-4, clip_high=4e-4 and aggregates with "seq-mean-token-mean"); "cispo" (MiniMax-M1: the ratio,
+    clipped to [1 - clip_eps, 1 + clip_high] and detached, weights REINFORCE's gradient, never zeroes it; verl
+    loss_mode="cispo"; TRL's loss_type="cispo" with epsilon_high=5 is clip_eps=1, clip_high=4); "sapo" (a soft
+    gate instead of the clip, temperatures sapo_tau_pos/neg; verl loss_mode="sapo", TRL loss_type="sapo"; both
+    aggregate "seq-mean-token-mean"). Trainer(policy_loss_fn=...) overrides it."""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature for tokens of positive advantage, > 0 (verl tau_pos; TRL sapo_temperature_pos)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature for the others, > 0 (verl tau_neg; TRL sapo_temperature_neg)."""
     log_ratio_clamp: float = 20.0
     """The policy's log-ratio to the old policy (and k3's exponent) is clamped to +-this before exp, its
     gradient 0 beyond (verl: 20), so a ratio never overflows; in (0, 80]."""
@@ -133,6 +141,8 @@ class RLConfig:
     "flash_attention_2" (needs flash-attn, GPU) or "flex_attention" (GPU; block-sparse document mask)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation settings; a string is short for ``RolloutConfig(engine=...)``, e.g. ``rollout="vllm"``."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection for the gap between engine and trainer (``[rollout_correction]``; off)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The actor's optimizer settings."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -187,7 +197,9 @@ class RLConfig:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens (or 0 to count sequences)",
         )
         p += self._recompute_problems() + self._algorithm_problems()
-        need(p, 0 < self.clip_eps < 1, f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
+        cispo = self.policy_loss == "cispo"  # clip_eps >= 1 leaves CISPO's weight unbounded below (TRL's CISPO)
+        need(p, 0 < self.clip_eps and (cispo or self.clip_eps < 1), f"clip_eps={self.clip_eps}: must be in (0, 1), "
+             'e.g. 0.2 (> 0 with policy_loss="cispo", where >= 1 means no lower clip)')  # fmt: skip
         need(
             p,
             self.clip_high is None or self.clip_high > 0,
@@ -215,6 +227,7 @@ class RLConfig:
         )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
+        nested += self._correction_problems()
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _recompute_problems(self) -> list[str]:
@@ -273,6 +286,19 @@ class RLConfig:
             f"log_ratio_clamp={self.log_ratio_clamp}: must be in (0, 80] (exp(88) overflows float32), e.g. 20",
         )
         need(p, self.loss_agg in LOSS_AGG_MODES, f'loss_agg="{self.loss_agg}": use one of {LOSS_AGG_MODES}')
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            need(p, getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0 (SAPO: 1.0 and 1.05)")
+        return p
+
+    def _correction_problems(self) -> list[str]:
+        """The ``[rollout_correction]`` table's checks, and the engine log-probs it needs on every row."""
+        p = self.rollout_correction.problems()
+        need(
+            p,
+            not self.rollout_correction.enabled or self.rollout.engine != "vllm" or self.rollout.engine_logprobs == 1,
+            f"rollout_correction is on but rollout.engine_logprobs={self.rollout.engine_logprobs}: the correction "
+            "weighs every row by the engine's log-probs; set rollout.engine_logprobs=1",
+        )
         return p
 
     def _shaping_problems(self) -> list[str]:
@@ -357,4 +383,3 @@ class RLConfig:
                 ]
             )
         return config_from_tables(cls, data)
-

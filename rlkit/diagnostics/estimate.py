@@ -86,6 +86,9 @@ class MemoryEstimate:
     """GiB by term (:data:`TERMS`) for each phase that the setting runs."""
     fixes: list[Fix] = field(default_factory=list)
     """Empty when the peak fits; else each change that lowers it, cheapest first (see :func:`fixes_for`)."""
+    keep_unsharded: bool = False
+    """Whether the update keeps FSDP's units gathered through an optimizer step's micro-batches (the setting's
+    ``keep_unsharded``, resolved: when None, kept where the step then leaves AWAKE_HEADROOM of the device free)."""
 
     @property
     def peak_phase(self) -> str:
@@ -136,6 +139,8 @@ class MemoryEstimate:
         head = (f"memory estimate: {self.shape.num_parameters / 1e6:,.1f}M parameters, {s.world_size} rank(s), "
                 f"{s.tokens_per_micro_batch:,} tokens per micro-batch; peak {self.peak_gib:.1f} GiB per rank in "
                 f"{self.peak_phase!r} on a {s.device_memory_gib:.1f} GiB device: {verdict}")
+        if self.keep_unsharded:
+            head += f"; FSDP units kept gathered through the {s.micro_batches_per_step} micro-batches of a step"
         lines = [head, self.to_pandas().round(2).to_string()]
         lines += [f"  fix: {f}" for f in self.fixes]
         return "\n".join(lines)
@@ -207,11 +212,19 @@ def estimate_memory(model_config: ModelShape | Mapping | str | Path | Any, setti
 
 def _estimate(shape: ModelShape, setting: MemorySetting) -> MemoryEstimate:
     """The phases of ``setting``; rollout.sleep="auto" keeps vLLM awake when the whole step then leaves
-    AWAKE_HEADROOM of the device free (as rlkit.rollout.sleep.SleepPolicy decides), else it sleeps."""
+    AWAKE_HEADROOM of the device free (as rlkit.rollout.sleep.SleepPolicy decides), else it sleeps; with that
+    engine, ``keep_unsharded=None`` keeps the units gathered through the micro-batches when the step then
+    leaves AWAKE_HEADROOM free too (how rlkit.workers.policy decides)."""
+    room = (1 - AWAKE_HEADROOM) * setting.device_memory_gib
     if setting.engine == "vllm" and setting.engine_sleep == "auto":
         awake = _estimate(shape, dataclasses.replace(setting, engine_sleep="never"))
-        stays = awake.peak_gib <= (1 - AWAKE_HEADROOM) * setting.device_memory_gib
+        stays = awake.peak_gib <= room
         chosen = awake if stays else _estimate(shape, dataclasses.replace(setting, engine_sleep="always"))
+        return dataclasses.replace(chosen, setting=setting)
+    if setting.keep_unsharded is None:
+        kept = _estimate(shape, dataclasses.replace(setting, keep_unsharded=setting.can_keep_unsharded))
+        keep = kept.keep_unsharded and kept.peak_gib <= room
+        chosen = kept if keep else _estimate(shape, dataclasses.replace(setting, keep_unsharded=False))
         return dataclasses.replace(chosen, setting=setting)
     phases = {}
     for phase, terms in phase_bytes(shape, setting).items():
@@ -219,7 +232,7 @@ def _estimate(shape: ModelShape, setting: MemorySetting) -> MemoryEstimate:
         in_process = sum(gib.values()) - (gib["engine"] if setting.engine == "vllm" else 0.0)
         gib["rest"] = CUDA_CONTEXT_GIB + FRAGMENTATION * in_process
         phases[phase] = gib
-    return MemoryEstimate(shape=shape, setting=setting, phases=phases)
+    return MemoryEstimate(shape=shape, setting=setting, phases=phases, keep_unsharded=bool(setting.keep_unsharded))
 
 
 def _with(est: MemoryEstimate, **changes: Any) -> MemoryEstimate:

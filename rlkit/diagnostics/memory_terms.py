@@ -125,6 +125,12 @@ class MemorySetting:
     """[fsdp.param_dtype] "bf16" (GPU) or "fp32"; parameters, gradients and AdamW state stay fp32 either way."""
     reduce_dtype: str = "fp32"
     reshard_after_forward: bool = True
+    fsdp_version: int = 2
+    """[fsdp.version]"""
+    keep_unsharded: bool | None = None
+    """Whether the update keeps FSDP's units gathered and its gradients unsharded through the micro-batches of
+    an optimizer step (:mod:`rlkit.fsdp.accumulate`); None: as rlkit decides, which the estimate resolves
+    (:attr:`~rlkit.diagnostics.estimate.MemoryEstimate.keep_unsharded`)."""
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     prompt_tokens: int = 64
@@ -168,6 +174,7 @@ class MemorySetting:
              f"compute_dtype={self.compute_dtype!r}, reduce_dtype={self.reduce_dtype!r}: each 'bf16' or 'fp32'"),
             (self.engine in ("hf", "vllm"), f'engine={self.engine!r}: use "hf" or "vllm"'),
             (self.engine_sleep in SLEEPS, f"engine_sleep={self.engine_sleep!r}: use one of {SLEEPS}"),
+            (self.fsdp_version in (1, 2), f"fsdp_version={self.fsdp_version}: use 1 or 2"),
             (min(self.prompt_tokens, self.response_tokens, self.samples_per_step, self.mini_batches,
                  self.micro_batch_size) >= 1, "prompt_tokens, response_tokens, samples_per_step, mini_batches and "
              "micro_batch_size must each be >= 1"),
@@ -201,6 +208,20 @@ class MemorySetting:
     @property
     def sequences_per_micro_batch(self) -> float:
         return self.tokens_per_micro_batch / self.sequence_tokens
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Forward/backward passes per optimizer step on a rank (rows at their longest)."""
+        rows = max(1, self.samples_per_step // self.world_size // self.mini_batches)
+        return math.ceil(rows / self.sequences_per_micro_batch)
+
+    @property
+    def can_keep_unsharded(self) -> bool:
+        """Whether keeping units gathered through an optimizer step is on the table at all: several micro-batches,
+        no CPU offload (which is there to save device memory), and with FSDP1 (whose no_sync accumulates in the
+        compute dtype) only when that is the reduce dtype."""
+        exact = self.fsdp_version == 2 or self.compute_dtype == self.reduce_dtype
+        return self.micro_batches_per_step > 1 and not self.cpu_offload and exact
 
 
 class LogitsLayout(NamedTuple):
@@ -296,11 +317,19 @@ def gathered_bytes(shape: ModelShape, s: MemorySetting, e: int, *, backward: boo
     """FSDP units unsharded in the compute dtype: the root (kept through forward and backward) and two layers
     (the current and the prefetched one; every layer without reshard_after_forward). In backward also the root's
     unsharded gradient (the LM head's, from the first backward op to the end) and one layer's gradients in the
-    compute dtype and in the reduce dtype for the reduce-scatter."""
+    compute dtype and in the reduce dtype for the reduce-scatter. With ``keep_unsharded`` (FSDP2) every unit
+    stays gathered and every gradient accumulates unsharded in the reduce dtype through the micro-batches,
+    beside the root's and one layer's compute-dtype gradients in backward; FSDP1's no_sync keeps its units as
+    before but the whole unsharded gradient in the compute dtype."""
     layers = 2 if s.reshard_after_forward else max(2, shape.num_layers)
-    total = (shape.root_params + layers * shape.layer_params) * e
+    r, total = DTYPE_BYTES[s.reduce_dtype], (shape.root_params + layers * shape.layer_params) * e
+    if s.keep_unsharded and s.fsdp_version == 2:  # all units gathered, every gradient accumulated unsharded
+        total = shape.num_parameters * (e + r)
+        return total + ((shape.root_params + shape.layer_params) * e if backward else 0)
+    if s.keep_unsharded:  # FSDP1's no_sync: unsharded gradients in the compute dtype (which is then the reduce one)
+        total += shape.num_parameters * e
     if backward:
-        total += shape.root_params * e + shape.layer_params * (e + DTYPE_BYTES[s.reduce_dtype])
+        total += shape.root_params * e + shape.layer_params * (e + r)
     return total
 
 

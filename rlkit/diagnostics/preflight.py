@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         compute_dtype="fp32" if fsdp.param_dtype == "fp32" else "bf16",
         reduce_dtype=fsdp.reduce_dtype,
         reshard_after_forward=fsdp.reshard_after_forward,
+        fsdp_version=fsdp.version,
         cpu_offload=fsdp.cpu_offload,
         activation_checkpointing=fsdp.activation_checkpointing,
         prompt_tokens=config.data.max_prompt_tokens,
@@ -67,6 +69,21 @@ def estimate_for(
     ``config.model``'s config.json."""
     setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib)
     return estimate_memory(config.model if model_config is None else model_config, setting)
+
+
+def keeps_unsharded(
+    config: RLConfig,
+    model_config: ModelShape | Mapping | str | Path | Any,
+    *,
+    world_size: int,
+    device_memory_gib: float,
+    compute_dtype: str,
+) -> bool:
+    """Whether the policy update keeps FSDP's units gathered through an optimizer step's micro-batches
+    (:mod:`rlkit.fsdp.accumulate`): the estimate's decision for ``config`` computing in ``compute_dtype``
+    ("bf16" or "fp32", what the rank uses: fp32 on CPU)."""
+    setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib)
+    return estimate_memory(model_config, dataclasses.replace(setting, compute_dtype=compute_dtype)).keep_unsharded
 
 
 def preflight(

@@ -5,12 +5,19 @@ embeddings, parameter names and FSDP's sharding are unchanged). Called plainly i
 replaced (generate and ordinary forwards see logits); inside :meth:`ResponseHead.scoring` it computes, in
 the model's own forward (where FSDP has gathered the weight), the log-probs of given tokens at given rows
 of the hidden states, chunk by chunk: each chunk's logits [C, V] exist only inside the chunk, and backward
-recomputes them. Memory: one fp32 [C, V] chunk (C = CHUNK_ELEMENTS // V) and an fp32 [V, H] gradient
-accumulator, instead of [N, V] logits and their fp32 copies.
+recomputes them. Memory: one [C, V] chunk and an fp32 [V, H] gradient accumulator, instead of [N, V] logits
+and their fp32 copies.
+
+Each chunk's elementwise math (the fp32 log-softmax, the entropy, their gradient) runs eagerly on a CPU
+(:data:`EAGER`: several fp32 passes over [C, V], C = CHUNK_ELEMENTS // V) and compiled on a GPU
+(:func:`fused_chunk_math`: inductor fuses each function into a few kernels that read the bf16 logits and
+keep no fp32 copy, so the chunks are larger, FUSED_CHUNK_ELEMENTS); if compiling fails there, it logs why
+once and runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,9 +28,14 @@ from torch import nn
 
 from rlkit.models.packing import PACKABLE_MODEL_TYPES
 
+logger = logging.getLogger(__name__)
+
 CHUNK_ELEMENTS = 1 << 27
-"""Logit entries per chunk (512 MiB in fp32): rows per chunk = CHUNK_ELEMENTS // V (883 at V = 151,936).
-Fewer, larger chunks mean fewer passes over the fp32 [V, H] weight-gradient accumulator."""
+"""Logit entries per chunk of the eager math (512 MiB in fp32): rows per chunk = CHUNK_ELEMENTS // V (883 at
+V = 151,936). Fewer, larger chunks mean fewer passes over the fp32 [V, H] weight-gradient accumulator."""
+FUSED_CHUNK_ELEMENTS = 1 << 28
+"""The same for the compiled math, which keeps no fp32 copy of a chunk: its bf16 logits and, in backward, their
+bf16 gradient (1 GiB together) are less than the eager math's fp32 copies of half as many entries."""
 
 ENTROPY_MODES = ("none", "detached", "grad")
 
@@ -40,6 +52,7 @@ class HeadRequest:
     entropy: str
     """"none", "detached" or "grad" (see :data:`ENTROPY_MODES`)."""
     chunk_rows: int
+    """Rows per chunk; 0: the chunk math's ``chunk_elements // V``."""
 
 
 class ResponseHead(nn.Linear):
@@ -53,11 +66,22 @@ class ResponseHead(nn.Linear):
         self.weight = linear.weight  # the same Parameter: tying and names are kept
         self.register_parameter("bias", None)
         self._request: HeadRequest | None = None
-        self._math: ChunkMath = EAGER
+        self._math: ChunkMath | None = None
+        """None until the first scoring forward picks it by device (:func:`default_chunk_math`)."""
+
+    @property
+    def chunk_math(self) -> ChunkMath | None:
+        """The per-chunk math in use (None before the first scoring forward)."""
+        return self._math
+
+    def use_chunk_math(self, math: ChunkMath) -> None:
+        """Run each chunk's elementwise math as ``math`` from now on (:data:`EAGER` or :func:`fused_chunk_math`;
+        ``FSDPConfig.compile`` asks for the fused math on any device)."""
+        self._math = math
 
     def compile_chunk_math(self) -> None:
-        """Run each chunk's elementwise math compiled from now on (``FSDPConfig.compile`` does this)."""
-        self._math = compiled_chunk_math()
+        """Run each chunk's elementwise math compiled from now on, on any device (``FSDPConfig.compile``)."""
+        self.use_chunk_math(fused_chunk_math())
 
     @contextmanager
     def scoring(
@@ -67,8 +91,7 @@ class ResponseHead(nn.Linear):
         (log-prob, entropy) (entropy 0 with ``entropy="none"``) of ``tokens`` [M] at hidden ``rows`` [M]."""
         if entropy not in ENTROPY_MODES:
             raise ValueError(f"entropy={entropy!r}: use one of {ENTROPY_MODES}")
-        rows_per_chunk = chunk_rows or max(1, CHUNK_ELEMENTS // self.out_features)
-        self._request = HeadRequest(rows, tokens, temperature, entropy, rows_per_chunk)
+        self._request = HeadRequest(rows, tokens, temperature, entropy, chunk_rows)
         try:
             yield
         finally:
@@ -78,6 +101,8 @@ class ResponseHead(nn.Linear):
         request = self._request
         if request is None:
             return nn.functional.linear(hidden, self.weight)
+        if self._math is None:
+            self._math = default_chunk_math(hidden.device)
         chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, request.rows)
         return linear_logprobs(
             chosen, self.weight, request.tokens, request.temperature, request.entropy, request.chunk_rows, self._math
@@ -120,14 +145,15 @@ def linear_logprobs(
         weight: [V, H], same dtype.
         tokens: [M] int64.
         entropy: "none" (column 1 is 0), "detached" (no gradient through it) or "grad".
-        chunk_rows: rows per chunk; default CHUNK_ELEMENTS // V.
-        math: the per-chunk math (default :data:`EAGER`; :func:`compiled_chunk_math` fuses it).
+        chunk_rows: rows per chunk; default ``math.chunk_elements // V``.
+        math: the per-chunk math (default :data:`EAGER`; :func:`fused_chunk_math` compiles it).
     Returns:
         [M, 2] float32 (float64 for float64 inputs): log-probs and entropies, differentiable w.r.t. hidden
         and weight.
     """
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    return _LinearLogprobs.apply(hidden, weight, tokens, temperature, entropy, rows, math or EAGER)
+    math = math or EAGER
+    rows = chunk_rows or max(1, math.chunk_elements // weight.shape[0])
+    return _LinearLogprobs.apply(hidden, weight, tokens, temperature, entropy, rows, math)
 
 
 class ChunkMath(NamedTuple):
@@ -135,6 +161,9 @@ class ChunkMath(NamedTuple):
 
     stats: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     grad: Callable[..., torch.Tensor]
+    chunk_elements: int = CHUNK_ELEMENTS
+    """Logit entries per chunk by default."""
+    name: str = "eager"
 
 
 def _chunk_stats(
@@ -181,9 +210,33 @@ def _widened(logits: torch.Tensor) -> torch.Tensor:
 EAGER = ChunkMath(_chunk_stats, _chunk_grad)
 
 
-def compiled_chunk_math() -> ChunkMath:
-    """:data:`EAGER` under torch.compile (inductor fuses each chunk's elementwise passes into a few)."""
-    return ChunkMath(torch.compile(_chunk_stats), torch.compile(_chunk_grad))
+def fused_chunk_math() -> ChunkMath:
+    """:data:`EAGER` under torch.compile (default mode: inductor fuses each function's elementwise passes into a
+    few kernels; the matmuls stay outside), falling back to eager where compiling fails."""
+    return ChunkMath(_Compiled(_chunk_stats), _Compiled(_chunk_grad), FUSED_CHUNK_ELEMENTS, "fused")
+
+
+def default_chunk_math(device: torch.device) -> ChunkMath:
+    """The fused math on a GPU, the eager one elsewhere (compiling costs more there than it saves)."""
+    return fused_chunk_math() if device.type == "cuda" else EAGER
+
+
+class _Compiled:
+    """``torch.compile(fn)``, or ``fn`` itself from the first compile failure on (logged once, with its cause)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn, self.compiled = fn, torch.compile(fn)
+        self.failure: str | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failure is None:
+            try:
+                return self.compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as err:  # inductor's errors derive from it too
+                self.failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                logger.warning("the fused LM head's %s did not compile (%s); it runs eagerly", self.fn.__name__,
+                               self.failure)
+        return self.fn(*args)
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -218,7 +271,7 @@ class _LinearLogprobs(torch.autograd.Function):
             dz = ctx.math.grad(h @ weight.t(), tokens[chunk], lse[chunk], ent[chunk], grad_lp[chunk], g_ent,
                                ctx.temperature)
             if grad_hidden is not None:
-                grad_hidden[chunk] = dz @ weight
+                torch.mm(dz, weight, out=grad_hidden[chunk])
             if ctx.needs_input_grad[1]:
                 grad_weight += dz.t() @ h
         grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None

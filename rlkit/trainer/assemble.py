@@ -62,8 +62,9 @@ def assemble_batch(
     )
 
 
-def policy_rows(shard: Batch, drop_truncated: bool) -> PolicyRows:
-    """The rows of the policy update; with ``drop_truncated`` the truncated completions leave the loss (DAPO)."""
+def policy_rows(shard: Batch, drop_truncated: bool, engine_logprobs: bool = True) -> PolicyRows:
+    """The rows of the policy update; with ``drop_truncated`` the truncated completions leave the loss (DAPO);
+    ``engine_logprobs``: the engine's log-probs go along (none were asked for when False)."""
     assert shard.advantages is not None
     loss_mask = mask_truncated(shard.response_mask, shard.finish_reason) if drop_truncated else shard.response_mask
     return PolicyRows(
@@ -73,6 +74,7 @@ def policy_rows(shard: Batch, drop_truncated: bool) -> PolicyRows:
         advantages=shard.advantages,
         old_logprobs=shard.old_logprobs,
         ref_logprobs=shard.ref_logprobs,
+        rollout_logprobs=shard.rollout_logprobs if engine_logprobs else None,
     )
 
 

@@ -20,6 +20,7 @@ def step_metrics(
     worker_times: dict[str, float],
     memory: list[dict[str, float]],
     step_seconds: float,
+    gap_limit: float = 0.0,
 ) -> dict[str, float]:
     """Flatten one step into numbers.
 
@@ -27,7 +28,9 @@ def step_metrics(
     controller wall seconds per phase; ``worker_times`` the slowest rank's seconds inside each
     phase (generate, logprobs, reference, update, sync); ``memory`` one dict per rank (MiB).
     ``kl/mean`` is the k3 estimate of KL(policy || reference) per response token at rollout time
-    (NaN without a reference: not measured), whichever estimator the loss or reward uses.
+    (NaN without a reference: not measured), whichever estimator the loss or reward uses. ``gap_limit`` is
+    ``rollout.max_logprob_gap``: ``rollout/logprob_gap/over_limit`` is 1 on the steps whose mean gap exceeded it
+    (the steps that logged the warning), else 0.
     """
     lengths = batch.response_lengths.float()
     mask = batch.response_mask
@@ -39,7 +42,7 @@ def step_metrics(
         "response/length/mean": lengths.mean().item(),
         "response/length/max": lengths.max().item(),
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
-        **_gap_metrics(batch),
+        **_gap_metrics(batch, gap_limit),
         **_algorithm_metrics(batch),
         **update_metrics,
         "perf/tokens_per_s": (batch.attention_mask.sum().item()) / step_seconds,
@@ -56,12 +59,14 @@ def memory_columns(memory: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {f"memory/rank{rank}/{kind}_mb": mib for rank, mem in enumerate(memory) for kind, mib in mem.items()}
 
 
-def _gap_metrics(batch: Batch) -> dict[str, float]:
-    """The trainer-vs-engine log-prob gap over the tokens the engine returned log-probs for (NaN if none)."""
+def _gap_metrics(batch: Batch, limit: float) -> dict[str, float]:
+    """The trainer-vs-engine log-prob gap over the tokens the engine returned log-probs for (NaN if none), and
+    whether its mean exceeded ``limit`` (0: never)."""
     mean, gap = batch.logprob_gap_mean(), batch.logprob_gap_tokens()
     checked = batch.engine_checked()
     return {
         "rollout/logprob_gap/mean": math.nan if mean is None else mean,
+        "rollout/logprob_gap/over_limit": float(bool(limit) and mean is not None and mean > limit),
         "rollout/logprob_gap/max": math.nan if mean is None or gap is None else gap.max().item(),
         "rollout/logprob_gap/checked_frac": checked.sum().item() / max(batch.response_mask.sum().item(), 1.0),
     }
@@ -94,6 +99,7 @@ def logprob_gap_warning(batch: Batch, limit: float) -> str | None:
         return None
     return (
         f"rollout log-probs differ from the trainer's by {gap:.4f} nats per token on average "
-        f"(rollout.max_logprob_gap={limit}): the rollout engine is not sampling from the trainer's weights; "
-        "check the weight sync (time/worker/sync, engine logs) or a dtype mismatch between engine and actor"
+        f"(rollout.max_logprob_gap={limit}): the engine does not sample the trainer's distribution (a weight sync "
+        "that did not take, a sampling setting the trainer does not apply, a lower-precision engine); "
+        "trainer.mismatch() names the cause"
     )

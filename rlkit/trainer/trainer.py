@@ -37,6 +37,7 @@ from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tok
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
+from rlkit.trainer.mismatch import GapFloor, certify, probe, side_rollout
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
 from rlkit.workers import CriticWorker, PolicyWorker
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 Rewards = RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]]
 """One reward callable, a list of them (weight 1 each), or {name: fn or (fn, weight)}."""
-
 
 
 class Trainer(PolicyTrainerBase):
@@ -213,7 +213,8 @@ class Trainer(PolicyTrainerBase):
             critic_results = self._critic.call(CriticWorker.update, PerRank(critic_rows_per_rank))
             self._record("update", start, critic_results)
             metrics.update(critic_results[0].metrics)
-        rows = [policy_rows(shard, self.config.mask_truncated) for shard in shards]
+        engine = bool(batch.engine_checked().any())  # the engine's log-probs go along when it returned any
+        rows = [policy_rows(shard, self.config.mask_truncated, engine) for shard in shards]
         results = self._policy.call(PolicyWorker.update, PerRank(rows))
         self._record("update", start, results)
         if batch.old_logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout
@@ -254,6 +255,7 @@ class Trainer(PolicyTrainerBase):
             worker_times=self._worker_times,
             memory=self._memory,
             step_seconds=time.perf_counter() - start,
+            gap_limit=cfg.rollout.max_logprob_gap,
         )
         self._append_row(row, batch.to_pandas)
         return row
@@ -299,6 +301,20 @@ class Trainer(PolicyTrainerBase):
         return self.rollouts()
 
     # -- diagnostics ------------------------------------------------------------------------------
+
+    def mismatch(self, max_rows: int = 64) -> diagnostics.MismatchReport:
+        """Why the rollout engine and the trainer disagree, now: a rollout of the next prompts with the next step's
+        seeds (nothing trains; the prompt stream stays where it is), whose first ``max_rows`` rows each rank
+        re-scores. Per token the engine's and the trainer's log-probs and their ratio, grouped by position, token id,
+        rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
+        rlkit.diagnostics.mismatch."""
+        seed = self.config.seed * 1_000_003 + self.steps_done * self.cluster.world_size
+        return probe(self, side_rollout(self, seed), max_rows)
+
+    def certify(self, max_rows: int = 64) -> GapFloor:
+        """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
+        rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
+        return certify(self, max_rows)
 
     def lint(self) -> diagnostics.Findings:
         """FSDP lint over every rank's actor, optimizer, reference and rollout engine, and the memory estimate's

@@ -12,20 +12,31 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import psutil
 import torch
 
 from rlkit import diagnostics
-from rlkit.algos import Mean, PolicyLossFn, PolicyObjective, loss_weights, policy_objective
+from rlkit.algos import (
+    Correction,
+    Mean,
+    PolicyLossFn,
+    PolicyLossSettings,
+    PolicyObjective,
+    loss_weights,
+    policy_objective,
+)
 from rlkit.config import RLConfig
+from rlkit.diagnostics.rescore import Rescored
 from rlkit.fsdp import iter_full_params, param_dtype
 from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
 from rlkit.rollout import SamplingParams, build_engine
 from rlkit.workers.actor import ActorRole
-from rlkit.workers.batches import PolicyRows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import PolicyRows, Rows, global_counts, micro_batches, mini_batches
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
+from rlkit.workers.mismatch import probe_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +69,27 @@ class PolicyWorker(ActorRole):
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
         )
+        self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
+        self.engine_synced_at = 0
+        """The optimizer step whose weights the engine holds (it starts with the model directory's, step 0)."""
         engine_model = getattr(self.engine, "model", None)
         self.memory = self._memory_tracker(engine_model if isinstance(engine_model, torch.nn.Module) else None)
         self.objective = PolicyObjective(
             policy_loss=config.policy_loss,
-            clip_eps=config.clip_eps,
-            clip_high=config.clip_high,
-            dual_clip=config.dual_clip,
-            log_ratio_clamp=config.log_ratio_clamp,
+            loss=PolicyLossSettings(
+                clip_eps=config.clip_eps,
+                clip_high=config.clip_high,
+                dual_clip=config.dual_clip,
+                log_ratio_clamp=config.log_ratio_clamp,
+                sapo_tau_pos=config.sapo_tau_pos,
+                sapo_tau_neg=config.sapo_tau_neg,
+            ),
             kl_coef=config.kl_coef if config.kl_mode == "loss" else 0.0,
             kl_estimator=config.kl_estimator,
             kl_clamp=config.kl_clamp,
             entropy_coef=config.entropy_coef,
             policy_loss_fn=policy_loss_fn,
+            correction=Correction(**dataclasses.asdict(config.rollout_correction)),
         )
 
     # -- the phases of a step ------------------------------------------------------------------
@@ -161,25 +180,29 @@ class PolicyWorker(ActorRole):
                     num_tokens, num_seqs = global_counts(mini.response_mask)
                     actor.optimizer.zero_grad(set_to_none=True)
                     step_loss = torch.zeros((), device=self.device)
-                    for index, micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
-                        # 2. the current policy's log-probs of the sampled tokens (and the entropy)
-                        new_logprobs, entropy = self._new_logprobs(micro)
-                        if scored is not None:  # the only mini-batch is all the rows: index places them
-                            old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
-                        else:
-                            old_logprobs = micro.filled("old_logprobs")
-                        # 3. the objective (pure math in rlkit.algos)
-                        weights = loss_weights(
-                            micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
-                        )
-                        loss, micro_metrics = policy_objective(
-                            new_logprobs, old_logprobs, micro.advantages, micro.response_mask, weights, self.objective,
-                            ref_logprobs=micro.ref_logprobs, entropy=entropy,
-                        )  # fmt: skip
-                        # 4. backward: FSDP sums this rank's gradients with the other ranks'
-                        loss.backward()
-                        sums.add(micro_metrics)
-                        step_loss += loss.detach()
+                    micros = micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+                    with actor.accumulation(micros) as steps:  # FSDP gathers and reduces once per step if it fits
+                        for index, micro in steps:
+                            # 2. the current policy's log-probs of the sampled tokens (and the entropy)
+                            new_logprobs, entropy = self._new_logprobs(micro)
+                            if scored is not None:  # the only mini-batch is all the rows: index places them
+                                old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
+                            else:
+                                old_logprobs = micro.filled("old_logprobs")
+                            # 3. the objective (rlkit.algos), with the engine-vs-trainer gap and its correction
+                            weights = loss_weights(
+                                micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                horizon=horizon,
+                            )  # fmt: skip
+                            loss, micro_metrics = policy_objective(
+                                new_logprobs, old_logprobs, micro.advantages, micro.response_mask, weights,
+                                self.objective, ref_logprobs=micro.ref_logprobs, entropy=entropy,
+                                rollout_logprobs=micro.rollout_logprobs,
+                            )  # fmt: skip
+                            # 4. backward: FSDP sums this rank's gradients with the other ranks' (at the last one)
+                            loss.backward()
+                            sums.add(micro_metrics)
+                            step_loss += loss.detach()
                     # 5. the gradient report, then the clip by the true global norm and the optimizer step
                     self.memory.mark("forward_backward")
                     report = diagnostics.grad_report(actor.model)
@@ -199,7 +222,14 @@ class PolicyWorker(ActorRole):
     def sync_engine(self) -> int:
         """Push the actor's full weights into the rollout engine; returns how many tensors were loaded."""
         with self.clock.timed("sync"):
-            return self.engine.load_weights(iter_full_params(self.actor.model))
+            count = self.engine.load_weights(iter_full_params(self.actor.model))
+        self.engine_synced_at = int(self.actor.scheduler.last_epoch)
+        return count
+
+    def mismatch_probe(self, rows: Rows) -> Rescored:
+        """This rank's ``rows`` re-scored under the hypotheses of :mod:`rlkit.diagnostics.rescore`, with the weights'
+        sums and the sync versions (``trainer.mismatch()``; a collective: every rank gets as many rows)."""
+        return probe_mismatch(self, rows)
 
     # -- log-probs -----------------------------------------------------------------------------
 
@@ -258,3 +288,16 @@ class PolicyWorker(ActorRole):
         """Stop the rollout engine (and any processes it owns)."""
         super().close()
         self.engine.close()
+
+
+def _keeps_unsharded(config: RLConfig, model: torch.nn.Module, world_size: int, device: torch.device) -> bool:
+    """The memory estimate's decision whether the update keeps FSDP's units gathered through an optimizer step
+    (on a CPU the host's memory stands for the device's); False for models the estimate cannot read."""
+    gib = diagnostics.device_memory_gib() if device.type == "cuda" else psutil.virtual_memory().total / 2**30
+    dtype = "bf16" if param_dtype(config.fsdp, device.type) == torch.bfloat16 else "fp32"
+    try:
+        return diagnostics.keeps_unsharded(config, model.config, world_size=world_size, device_memory_gib=gib,
+                                           compute_dtype=dtype)
+    except ValueError as err:  # a model config without a decoder's sizes
+        logger.info("the update reshards FSDP's units every micro-batch: no memory estimate for this model (%s)", err)
+        return False

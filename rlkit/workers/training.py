@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlkit.config import FSDPConfig, OptimConfig
 from rlkit.fsdp import apply_fsdp, clip_grad_norm
+from rlkit.fsdp.accumulate import accumulation
 from rlkit.fsdp.checkpoint import load_sharded, save_sharded
 from rlkit.workers.optim import build_optimizer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -21,6 +27,11 @@ class TrainedModel:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    reshard_after_forward: bool = True
+    """The wrapping's ``fsdp.reshard_after_forward``."""
+    keep_unsharded: bool = False
+    """Keep FSDP's units gathered and the gradients unsharded through an optimizer step's micro-batches
+    (:func:`accumulation`); the role sets it where the memory estimate says it fits."""
 
     @classmethod
     def build(
@@ -29,7 +40,7 @@ class TrainedModel:
         """Shard ``model`` with FSDP, then build AdamW over the sharded parameters and a schedule of ``total_steps``."""
         wrapped = apply_fsdp(model, mesh, fsdp)
         optimizer, scheduler = build_optimizer(wrapped.parameters(), optim, total_steps)
-        return cls(wrapped, optimizer, scheduler)
+        return cls(wrapped, optimizer, scheduler, reshard_after_forward=fsdp.reshard_after_forward)
 
     @property
     def device(self) -> torch.device:
@@ -38,6 +49,12 @@ class TrainedModel:
     @property
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
+
+    def accumulation(self, micro_batches: Sequence[T]) -> AbstractContextManager[Iterator[T]]:
+        """``with model.accumulation(micros) as steps: for micro in steps: ...``: one optimizer step's micro-batches,
+        with FSDP's gathers and reductions once per step where :attr:`keep_unsharded` (rlkit.fsdp.accumulate)."""
+        return accumulation(self.model, micro_batches, keep_unsharded=self.keep_unsharded,
+                            reshard_after_forward=self.reshard_after_forward)
 
     def clip_and_step(self, max_grad_norm: float) -> float:
         """Clip the gradients by their true global norm over all ranks, then the optimizer and schedule step.
