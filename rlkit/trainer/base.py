@@ -61,7 +61,7 @@ class PolicyTrainerBase(ABC):
 
     @property
     def history(self) -> pd.DataFrame:
-        """One row of metrics per completed step."""
+        """One row of metrics per completed step (and one of step 0 with validation.before_training)."""
         return pd.DataFrame(self._rows)
 
     @abstractmethod
@@ -108,7 +108,7 @@ class PolicyTrainerBase(ABC):
                 self.save(folder)  # 4. a checkpoint every N steps, and at the configured last step
             if on_step is not None:
                 on_step(row)
-        self.keep_samples()
+        self._keep_samples()
         return self.history
 
     def _baseline(self) -> dict[str, float]:
@@ -117,7 +117,7 @@ class PolicyTrainerBase(ABC):
         self._append_row(row, None)
         return row
 
-    def keep_samples(self) -> None:
+    def _keep_samples(self) -> None:
         """Write the last step's samples into ``<output_dir>/samples/`` (if the run has a folder and a step)."""
         if self.output_dir is not None and self.steps_done:
             write_samples(self.output_dir, self.steps_done, self._samples())
