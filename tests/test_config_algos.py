@@ -107,7 +107,7 @@ def test_preference_defaults_and_round_trip(tmp_path):
     assert DPOConfig(optim={"lr": 2e-6}).optim == OptimConfig(lr=2e-6)
     with pytest.raises(ConfigError, match='algorithm="kto" given to DPOConfig'):
         DPOConfig.from_dict(kto.to_dict())
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['betta'\] in the top level"):
+    with pytest.raises(ConfigError, match=r"unknown setting betta: did you mean beta\?"):
         DPOConfig.from_dict({"betta": 0.1})
 
 

@@ -25,7 +25,7 @@ from rlkit.config.sections import (
     RolloutConfig,
     attention_problems,
 )
-from rlkit.config.tables import convert_tables, from_table
+from rlkit.config.tables import config_from_tables, convert_tables
 
 
 @dataclass(kw_only=True)
@@ -58,7 +58,7 @@ class RLConfig:
     max_tokens_per_micro_batch: int = 0
     """Token-budget micro-batches: each forward/backward takes rows of at most this many real tokens (prompt +
     response), as few micro-batches as fit, the same number on every rank, tokens balanced across them; 0 counts
-    sequences (micro_batch_size). Must hold the longest row: >= rollout.max_prompt_tokens + max_new_tokens."""
+    sequences (micro_batch_size). Must hold the longest row: >= data.max_prompt_tokens + rollout.max_new_tokens."""
     recompute_logprobs: bool = True
     """Score each rollout with the actor before the update (a forward pass over every sample) for the
     PPO ratio's old log-probs, ``batch.logprobs`` and the rollout log-prob gap. With one optimizer step
@@ -152,7 +152,7 @@ class RLConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """An optional reward model on the workers."""
     data: DataConfig = field(default_factory=DataConfig)
-    """Prompt files, the prompt column and chat template, long-prompt handling (``[data]``)."""
+    """Prompt files, the prompt column and chat template, the prompt length limit (``[data]``)."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     """How often and how the validation prompts (``data.val_files``) are scored (``[validation]``)."""
     rewards: list[RewardSpec] = field(default_factory=list)
@@ -160,15 +160,16 @@ class RLConfig:
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that get every metric, the config and sample completions: any of
     "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
-    run_dir: str = "runs"
-    """Folder of the runs' own files: each Trainer writes into ``run_dir/<algorithm>-<date>-<time>/`` (tracker
-    files; with ``rlkit train`` also ``history.csv``); nothing is written there without trackers or the CLI."""
+    output_dir: str = ""
+    """The run's folder: ``history.csv`` (rewritten every step), ``config.toml``, the trackers' files, checkpoints
+    (``checkpoints/``), the report and the final model (``final/``) of ``rlkit train``. "": with ``rlkit train``,
+    ``outputs/<algorithm>-<model>-<YYYYmmdd-HHMMSS>`` under the working directory; in Python, that folder only when
+    trackers or checkpoints need one (else the trainer writes no files)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rollout, str):
             self.rollout = RolloutConfig(engine=self.rollout)
         convert_tables(self)
-        self.rewards = [from_table(RewardSpec, r, "rewards") if isinstance(r, dict) else r for r in self.rewards]
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -188,12 +189,12 @@ class RLConfig:
         need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
         need(p, self.mini_batches >= 1, f"mini_batches={self.mini_batches}: must be >= 1")
         need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
-        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         need(
             p,
             self.max_tokens_per_micro_batch == 0 or self.max_tokens_per_micro_batch >= longest,
             f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must hold the longest row, "
-            f"rollout.max_prompt_tokens + max_new_tokens = {longest} tokens (or 0 to count sequences)",
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens (or 0 to count sequences)",
         )
         p += self._recompute_problems() + self._algorithm_problems()
         cispo = self.policy_loss == "cispo"  # clip_eps >= 1 leaves CISPO's weight unbounded below (TRL's CISPO)
@@ -381,4 +382,4 @@ class RLConfig:
                     "use rlkit.config.config_from_dict (or config_from_toml)"
                 ]
             )
-        return from_table(cls, data, "")
+        return config_from_tables(cls, data)

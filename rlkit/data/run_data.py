@@ -65,7 +65,7 @@ def load_run_data(
     val, val_report = None, None
     if val_prompts is not None or config.data.val_files:
         val, val_report, val_problems = collect_prompts(
-            config.data, tokenizer, config.seed, max_prompt_tokens=config.rollout.max_prompt_tokens,
+            config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
             base_dir=base_dir, split="val", prompts=val_prompts,
         )
         problems += val_problems
@@ -98,7 +98,7 @@ def _train_source(
             "has a bundled task"
         ]
     source, report, problems = collect_prompts(
-        config.data, tokenizer, config.seed, max_prompt_tokens=config.rollout.max_prompt_tokens,
+        config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
         base_dir=base_dir, split="train", prompts=prompts,
     )
     return source, report, report.fields if report is not None else None, problems

@@ -23,7 +23,7 @@ def tokenize_prompts(
     bad = [f"prompt {i} ({n} tokens): {texts[i][:60]!r}" for i, n in enumerate(lengths) if n > limit or n == 0]
     if bad:
         raise ValueError(
-            f"{len(bad)} prompt(s) are empty or longer than rollout.max_prompt_tokens={limit}; "
+            f"{len(bad)} prompt(s) are empty or longer than data.max_prompt_tokens={limit}; "
             "shorten them or raise the limit:\n" + "\n".join(f"  - {b}" for b in bad)
         )
     enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens)

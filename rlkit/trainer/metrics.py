@@ -28,7 +28,7 @@ def step_metrics(
     controller wall seconds per phase; ``worker_times`` the slowest rank's seconds inside each
     phase (generate, logprobs, reference, update, sync); ``memory`` one dict per rank (MiB).
     ``kl/mean`` is the k3 estimate of KL(policy || reference) per response token at rollout time
-    (0 without a reference), whichever estimator the loss or reward uses. ``gap_limit`` is
+    (NaN without a reference: not measured), whichever estimator the loss or reward uses. ``gap_limit`` is
     ``rollout.max_logprob_gap``: ``rollout/logprob_gap/over_limit`` is 1 on the steps whose mean gap exceeded it
     (the steps that logged the warning), else 0.
     """
@@ -38,7 +38,7 @@ def step_metrics(
         "step": step,
         "reward/mean": batch.filled("rewards").mean().item(),
         "reward/std": batch.filled("rewards").std().item(),
-        **{f"reward/{name}/mean": v.mean().item() for name, v in batch.reward_terms.items()},
+        **{f"reward/{name}/mean": v.nanmean().item() for name, v in batch.reward_terms.items()},  # None: left out
         "response/length/mean": lengths.mean().item(),
         "response/length/max": lengths.max().item(),
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
@@ -75,7 +75,7 @@ def _gap_metrics(batch: Batch, limit: float) -> dict[str, float]:
 def _algorithm_metrics(batch: Batch) -> dict[str, float]:
     """KL to the reference, advantage spread and, with a critic, how well its values predict the returns."""
     mask = batch.response_mask
-    kl = 0.0
+    kl = math.nan  # not measured: no reference (kl_coef=0)
     if batch.ref_logprobs is not None and batch.old_logprobs is not None:
         kl = masked_mean(kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), mask).item()
     advantages = batch.filled("advantages")

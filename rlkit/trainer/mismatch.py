@@ -72,7 +72,7 @@ def side_rollout(trainer: Trainer, seed: int) -> Batch:
         trainer._prompts.load_state_dict(position)
     texts = [item["prompt"] for item in items]
     prompt_ids, prompt_mask = tokenize_prompts(
-        trainer.tokenizer, texts, cfg.rollout.max_prompt_tokens, trainer._prompts.add_special_tokens
+        trainer.tokenizer, texts, cfg.data.max_prompt_tokens, trainer._prompts.add_special_tokens
     )
     results = trainer._policy.call(
         PolicyWorker.rollout,

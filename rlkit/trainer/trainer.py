@@ -84,6 +84,8 @@ class Trainer(PolicyTrainerBase):
         self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", run.summary())
         self._prompts, self._val, self._rewards = run.train, run.val, run.rewards
+        self._position = self._prompts.state_dict()
+        """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
         self._advantage_fn = advantage_fn
         self.last_batch: Batch | None = None
         findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
@@ -134,7 +136,7 @@ class Trainer(PolicyTrainerBase):
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
                 [item["prompt"] for item in items],
-                cfg.rollout.max_prompt_tokens,
+                cfg.data.max_prompt_tokens,
                 self._prompts.add_special_tokens,
             )
         except ValueError:
@@ -244,6 +246,7 @@ class Trainer(PolicyTrainerBase):
         self.advantages(batch)
         metrics = {**self.update(batch), **sampling}
         self.steps_done += 1
+        self._position = self._prompts.state_dict()
         row = step_metrics(
             step=self.steps_done,
             batch=batch,
@@ -272,8 +275,8 @@ class Trainer(PolicyTrainerBase):
         self._add_to_last_row(metrics)
         return metrics
 
-    def _validation_every(self) -> int:
-        return self.config.validation.every if self._val is not None else 0
+    def _can_validate(self) -> bool:
+        return self._val is not None
 
     def _scored(self, batch: Batch) -> Batch:
         """``batch`` scored, kept in :attr:`last_batch` so that a reward function that fails loses nothing."""
@@ -281,10 +284,11 @@ class Trainer(PolicyTrainerBase):
         try:
             return self.score(batch)
         except RewardError as exc:
-            raise RewardError(
-                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
-                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
-            ) from exc
+            exc.add_note(
+                "Nothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the function "
+                "(trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
+            )
+            raise
 
     def _scored_refill(self, refill: int) -> Batch:
         return self._scored(self._rollout(refill))
@@ -292,6 +296,9 @@ class Trainer(PolicyTrainerBase):
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
+
+    def _samples(self) -> pd.DataFrame:
+        return self.rollouts()
 
     # -- diagnostics ------------------------------------------------------------------------------
 
@@ -337,7 +344,7 @@ class Trainer(PolicyTrainerBase):
         meta = {
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
-            "prompts": self._prompts.state_dict(),
+            "prompts": self._position,
             "history": self._rows,
         }
         return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
@@ -348,6 +355,7 @@ class Trainer(PolicyTrainerBase):
         cluster: Cluster,
         path: str | os.PathLike,
         *,
+        config: RLConfig | None = None,
         reward_fn: Rewards | None = None,
         prompts: PromptInput | None = None,
         val_prompts: PromptInput | None = None,
@@ -359,12 +367,14 @@ class Trainer(PolicyTrainerBase):
         Weights (actor and critic), optimizers, schedules, RNG, step count, prompt position and history
         are restored; functions and Python data are not stored, so pass reward_fn, prompts, val_prompts,
         advantage_fn and policy_loss_fn again unless the run used the config's (files, [[rewards]]) or defaults.
+        ``config``: the run's settings (default: the checkpoint's), e.g. with more ``steps``; ``fit()`` then runs
+        the steps left to ``config.steps``. The trainer writes into the config's ``output_dir``: the same run folder.
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
         trainer = cls(
             cluster,
-            config_from_dict(meta["config"]),
+            config if config is not None else config_from_dict(meta["config"]),
             reward_fn=reward_fn,
             prompts=prompts,
             val_prompts=val_prompts,
@@ -377,5 +387,6 @@ class Trainer(PolicyTrainerBase):
         trainer.steps_done = meta["steps_done"]
         trainer._rows = meta["history"]
         trainer._prompts.load_state_dict(meta["prompts"])
+        trainer._position = meta["prompts"]
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer

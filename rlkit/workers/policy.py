@@ -65,6 +65,7 @@ class PolicyWorker(ActorRole):
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             max_num_seqs=config.samples_per_step // self.world_size,
+            max_prompt_tokens=config.data.max_prompt_tokens,
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
         )
