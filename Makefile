@@ -44,4 +44,4 @@ chromium:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 
 clean:
-	rm -rf $(VENV) reports runs
+	rm -rf $(VENV) reports runs outputs

@@ -45,7 +45,7 @@ def train(model_dir: str, shape: str, batch: int, seq: int, response: int, steps
     ctx = context()
     config = rlkit.GRPOConfig(
         model=model_dir, micro_batch_size=micro, steps=steps,
-        rollout=rlkit.RolloutConfig(max_new_tokens=response, max_prompt_tokens=seq - response),
+        rollout=rlkit.RolloutConfig(max_new_tokens=response), data=rlkit.DataConfig(max_prompt_tokens=seq - response),
     )  # fmt: skip
     worker = PolicyWorker(config, model_dir)
     gen = torch.Generator(device="cpu").manual_seed(ctx.rank)

@@ -175,7 +175,8 @@ def run_config(args, model: str) -> rlkit.GRPOConfig:
         "prompts_per_step": args.prompts, "group_size": args.group, "kl_coef": args.beta,
         "micro_batch_size": args.micro, "recompute_logprobs": args.recompute_logprobs, "optim": {"lr": 1e-6},
         "rollout": {"engine": args.engine, "max_new_tokens": args.response_len,
-                    "min_new_tokens": args.response_len if fixed else 0, "max_prompt_tokens": args.prompt_len},
+                    "min_new_tokens": args.response_len if fixed else 0},
+        "data": {"max_prompt_tokens": args.prompt_len},
     }
     return rlkit.GRPOConfig.from_dict(merged(base, overrides(args.set)))
 

@@ -156,11 +156,11 @@ def main() -> None:
           f"{args.samples} samples, prompt {ids.shape[1]} tokens, at most {new_tokens} new tokens", flush=True)
     rows = {}
     for name in args.engines.split(","):
-        config = rlkit.RolloutConfig(engine=name, max_prompt_tokens=ids.shape[1], max_new_tokens=new_tokens,
-                                     engine_logprobs=args.engine_logprobs)
+        config = rlkit.RolloutConfig(engine=name, max_new_tokens=new_tokens, engine_logprobs=args.engine_logprobs)
         start = time.perf_counter()
         engine = build_engine(config, directory, device=device, dtype=dtype, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, max_num_seqs=n_prompts * args.samples, seed=0)
+                              pad_token_id=tokenizer.pad_token_id, max_num_seqs=n_prompts * args.samples,
+                              max_prompt_tokens=ids.shape[1], seed=0)
         built = time.perf_counter() - start
         try:
             rows[name] = {"start_s": built, **measure(engine, actor, ids, mask, params, args.repeats, device)}

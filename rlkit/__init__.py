@@ -1,8 +1,8 @@
 """rlkit: notebook-first RL post-training of language models on PyTorch FSDP.
 
-    cluster = rlkit.launch(world_size=2)
-    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny"))
-    trainer.fit(steps=20)
+cluster = rlkit.launch(world_size=2)
+trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny"))
+trainer.fit(steps=20)
 """
 
 from rlkit.config import (
@@ -20,6 +20,7 @@ from rlkit.config import (
     RewardModelConfig,
     RewardSpec,
     RolloutConfig,
+    RolloutCorrectionConfig,
     ValidationConfig,
 )
 from rlkit.runtime import launch
@@ -43,6 +44,7 @@ __all__ = [
     "RewardModelConfig",
     "RewardSpec",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "Trainer",
     "ValidationConfig",
     "launch",

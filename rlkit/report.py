@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -22,14 +23,23 @@ PREFERENCE_PANELS = (
 """The line panels of a DPO or KTO run's report (a history with rewards/accuracy)."""
 
 
-def write_report(history: pd.DataFrame, path: str | Path, *, title: str, config: dict) -> Path:
+def write_report(
+    history: pd.DataFrame,
+    path: str | Path,
+    *,
+    title: str,
+    config: dict,
+    samples: Mapping[int, pd.DataFrame] | None = None,
+) -> Path:
     """Write the run's curves (RL: reward, KL, length; DPO/KTO: accuracy, implicit rewards, loss and gradient
-    norm) and seconds per phase, plus the config, to one HTML file; returns its path."""
+    norm) and seconds per phase, sample completions of some steps (``samples``: a table per step, e.g. the first
+    and the last), the last step's metrics and the config to one HTML file; returns its path."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     panels = PREFERENCE_PANELS if "rewards/accuracy" in history else RL_PANELS
     fig = make_subplots(rows=2, cols=2, subplot_titles=[name for name, _ in panels] + ["seconds per phase"])
+    history = history[history["step"] > 0] if (history["step"] == 0).any() else history  # step 0: validation only
     x = history["step"]
     for i, (_, columns) in enumerate(panels):
         for column in columns:
@@ -47,6 +57,7 @@ def write_report(history: pd.DataFrame, path: str | Path, *, title: str, config:
 </head><body>
 <h1>{html.escape(title)}</h1>
 {body}
+{_samples_html(samples or {})}
 <h2>Last step</h2>{last}
 <h2>Config</h2><pre>{html.escape(json.dumps(config, indent=2))}</pre>
 </body></html>
@@ -57,3 +68,22 @@ def write_report(history: pd.DataFrame, path: str | Path, *, title: str, config:
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+SAMPLE_ROWS = 8
+"""Samples shown per step; their text is cut at SAMPLE_CHARS characters."""
+SAMPLE_CHARS = 300
+
+
+def _samples_html(samples: Mapping[int, pd.DataFrame]) -> str:
+    """A table per step: the text columns and the rewards of its first SAMPLE_ROWS samples."""
+    parts = []
+    for step, table in samples.items():
+        text = [c for c in ("prompt", "completion", "chosen", "rejected", "label") if c in table]
+        numbers = [c for c in table if c == "reward" or c.startswith("reward/") or c == "advantage"]
+        shown = table[text + numbers].head(SAMPLE_ROWS).map(
+            lambda v: v if not isinstance(v, str) or len(v) <= SAMPLE_CHARS else v[:SAMPLE_CHARS] + "..."
+        )
+        rows = shown.to_html(index=False, float_format="{:.3f}".format)
+        parts.append(f"<h3>Step {step} ({len(table)} samples, the first {len(shown)} shown)</h3>{rows}")
+    return "<h2>Samples</h2>" + "".join(parts) if parts else ""

@@ -71,6 +71,7 @@ def policy_update(model_dir: str, config, batch: dict[str, torch.Tensor], policy
         advantages=share["advantages"],
         old_logprobs=share.get("old_logprobs"),
         ref_logprobs=share.get("ref_logprobs"),
+        rollout_logprobs=share.get("rollout_logprobs"),
     )
     result = worker.update(rows)
     weights = dict(iter_full_params(worker.actor.model))

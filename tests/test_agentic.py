@@ -14,7 +14,7 @@ from rlkit.models import load_causal_lm
 from rlkit.models.logprobs import response_logits, token_logprobs
 from rlkit.models.tiny import TINY_AGENT_DIR
 
-ROLLOUT = rlkit.RolloutConfig(max_new_tokens=64, max_prompt_tokens=40)
+ROLLOUT = rlkit.RolloutConfig(max_new_tokens=64)
 LR = 1e-3
 
 

@@ -1,5 +1,5 @@
-"""Policy losses (PPO clip, GSPO), their registry, the clamps and NaN-safe aggregation: hand values, loop references
-and the extremes (log-ratios of +-1000, NaN and inf in padding)."""
+"""Policy losses (PPO clip, GSPO, CISPO, SAPO), their registry, the clamps and NaN-safe aggregation: hand values,
+loop references and the extremes (log-ratios of +-1000, NaN and inf in padding)."""
 
 import math
 
@@ -10,17 +10,20 @@ from test_algos import padded_mask, valid_positions
 from rlkit.algos import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    PolicyLossSettings,
     aggregate_loss,
+    cispo_policy_loss,
     clipped_policy_loss,
     gspo_policy_loss,
     kl_estimate,
     kl_reward_penalty,
     loss_weights,
     masked_mean,
+    sapo_policy_loss,
     weighted_sum,
 )
 
-CLIPS = {"clip_eps": 0.2, "clip_high": None, "dual_clip": None, "log_ratio_clamp": 20.0}
+CLIPS = PolicyLossSettings(clip_eps=0.2, clip_high=None, dual_clip=None, log_ratio_clamp=20.0)
 
 
 def surrogate(r: float, a: float, low: float, high: float, dual: float | None) -> tuple[float, bool]:
@@ -96,15 +99,84 @@ def test_policy_loss_registry_shares_one_signature():
     new, old, adv = torch.randn(4, 5, generator=gen), torch.randn(4, 5, generator=gen), torch.randn(4, generator=gen)
     mask = torch.ones(4, 5)
     mask[1, 3:] = 0
-    assert set(POLICY_LOSSES) == {"ppo_clip", "gspo"}
+    assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "cispo", "sapo"}
     for name, fn in POLICY_LOSSES.items():
-        loss, clipped = fn(new, old, adv, mask, **CLIPS)
+        loss, clipped = fn(new, old, adv, mask, CLIPS)
         assert loss.shape == clipped.shape == (4, 5), name
-    loss, clipped = POLICY_LOSSES["ppo_clip"](new, old, adv, mask, **CLIPS)
+    loss, clipped = POLICY_LOSSES["ppo_clip"](new, old, adv, mask, CLIPS)
     ref_loss, ref_clipped = clipped_policy_loss(new, old, adv, 0.2)
     torch.testing.assert_close(loss[mask > 0], ref_loss[mask > 0])
     assert torch.equal(clipped[mask > 0], ref_clipped[mask > 0])
     assert (loss[mask == 0] == 0).all()
+
+
+# -- CISPO and SAPO: the design note's hand values, loop references --------------------------------------------
+
+
+def one_token(fn, new: float, old: float, advantage: float, **settings) -> tuple[float, float]:
+    """A one-token loss and its gradient d loss / d logp."""
+    logp = torch.tensor([[new]], requires_grad=True)
+    loss, _ = fn(logp, torch.tensor([[old]]), torch.tensor([advantage]), torch.ones(1, 1), **settings)
+    loss.sum().backward()
+    assert logp.grad is not None
+    return loss.item(), logp.grad.item()
+
+
+def test_cispo_hand_values():
+    half, quarter = math.log(0.5), math.log(0.25)  # r = 2 for the first three
+    assert one_token(cispo_policy_loss, half, quarter, 1.0, clip_eps=0.2) == pytest.approx((0.83178, -1.2), abs=1e-5)
+    # TRL's absolute cap epsilon_high = 5 (clip_eps = 1: no lower clip, clip_high = 4), and TRL's 0.2 when unset
+    assert one_token(cispo_policy_loss, half, quarter, 1.0, clip_eps=1.0, clip_high=4.0) == pytest.approx(
+        (1.38629, -2.0), abs=1e-5
+    )
+    assert one_token(cispo_policy_loss, half, quarter, 1.0, clip_eps=1.0, clip_high=-0.8) == pytest.approx(
+        (0.13863, -0.2), abs=1e-5
+    )
+    # r = 0.5, A = -1: verl's clip_ratio_low = 10 keeps it, 0.2 lifts it to 0.8; the gradient is never zeroed
+    assert one_token(cispo_policy_loss, half, 0.0, -1.0, clip_eps=10.0) == pytest.approx((-0.34657, 0.5), abs=1e-5)
+    assert one_token(cispo_policy_loss, half, 0.0, -1.0, clip_eps=0.2) == pytest.approx((-0.55452, 0.8), abs=1e-5)
+
+
+def test_sapo_hand_values():
+    half = math.log(0.5)
+    assert one_token(sapo_policy_loss, half, half, 1.0) == pytest.approx((-2.0, -1.0), abs=1e-5)
+    assert one_token(sapo_policy_loss, half, math.log(0.25), 1.0) == pytest.approx((-2.92423, -1.57290), abs=1e-5)
+    assert one_token(sapo_policy_loss, half, math.log(0.25), -1.0) == pytest.approx((2.82200, 1.53622), abs=1e-5)
+
+
+def loop_cispo(r: float, a: float, logp: float, low: float, high: float) -> tuple[float, float, bool]:
+    w = min(max(r, 1 - low), 1 + high)
+    return -w * a * logp, -w * a, w != r
+
+
+def loop_sapo(r: float, a: float, tau_pos: float, tau_neg: float) -> tuple[float, float]:
+    tau = tau_pos if a > 0 else tau_neg
+    sig = 1 / (1 + math.exp(-tau * (r - 1)))
+    return -(4 / tau) * sig * a, -4 * sig * (1 - sig) * r * a
+
+
+@pytest.mark.parametrize("name", ["cispo", "sapo"])
+def test_cispo_and_sapo_match_loop_references(name):
+    gen = torch.Generator().manual_seed(23)
+    new = (torch.randn(6, 5, generator=gen) * 0.5 - 1.0).requires_grad_(True)
+    old, adv = new.detach() + torch.randn(6, 5, generator=gen) * 0.4, torch.randn(6, 5, generator=gen)
+    mask = (torch.rand(6, 5, generator=gen) < 0.75).float()
+    settings = PolicyLossSettings(clip_eps=0.15, clip_high=0.3, sapo_tau_pos=0.8, sapo_tau_neg=1.3)
+    loss, clipped = POLICY_LOSSES[name](new, old, adv, mask, settings)
+    loss.sum().backward()
+    for b in range(6):
+        for t in range(5):
+            if mask[b, t] == 0:
+                assert loss[b, t].item() == 0.0 and new.grad[b, t].item() == 0.0
+                continue
+            r, a, lp = math.exp(new[b, t].item() - old[b, t].item()), adv[b, t].item(), new[b, t].item()
+            if name == "cispo":
+                value, grad, was_clipped = loop_cispo(r, a, lp, 0.15, 0.3)
+                assert clipped[b, t].item() == float(was_clipped)
+            else:
+                value, grad = loop_sapo(r, a, 0.8, 1.3)
+            assert loss[b, t].item() == pytest.approx(value, abs=1e-5)
+            assert new.grad[b, t].item() == pytest.approx(grad, abs=1e-5)
 
 
 # -- clamps at the extremes ----------------------------------------------------------------------------------
@@ -117,7 +189,7 @@ def test_policy_losses_survive_log_ratios_of_1000(name):
     mask = torch.ones(1, 5)
     if name == "gspo":  # one token per sequence, so the sequence ratio is the token's
         new, adv, mask = new.detach().reshape(5, 1).requires_grad_(True), adv.reshape(5, 1), mask.reshape(5, 1)
-    loss, _ = POLICY_LOSSES[name](new, torch.zeros_like(new), adv, mask, **CLIPS)
+    loss, _ = POLICY_LOSSES[name](new, torch.zeros_like(new), adv, mask, CLIPS)
     loss.sum().backward()
     flat = loss.flatten()
     assert torch.isfinite(loss).all() and torch.isfinite(new.grad).all()
@@ -136,13 +208,13 @@ def test_log_ratio_clamp_is_configurable_and_stops_the_gradient():
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, math.exp(2.0)]]))
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "sapo"])
 def test_nan_and_inf_in_padding_reach_neither_loss_nor_gradient(name):
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     new = torch.tensor([[-1.0, -2.0, math.nan, math.inf], [-0.5, -math.inf, math.nan, 0.0]], requires_grad=True)
     old = torch.tensor([[-1.1, -1.9, -math.inf, math.nan], [-0.4, math.nan, 0.0, math.inf]])
     adv = torch.tensor([[1.0, 1.0, math.nan, math.inf], [-1.0, math.nan, 0.0, 1.0]])
-    loss, clipped = POLICY_LOSSES[name](new, old, adv, mask, **CLIPS)
+    loss, clipped = POLICY_LOSSES[name](new, old, adv, mask, CLIPS)
     assert torch.isfinite(loss).all() and (loss[mask == 0] == 0).all() and (clipped[mask == 0] == 0).all()
     for mode in LOSS_AGG_MODES:
         total = aggregate_loss(loss, mask, mode)

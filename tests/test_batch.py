@@ -59,6 +59,25 @@ def test_weighted_rewards_sum():
     assert by_name["len"].tolist() == [2.0, 1.0]
 
 
+def test_a_reward_of_none_leaves_the_term_out_of_that_sample_without_renormalising(caplog):
+    """TRL's rule: None -> NaN, weighted nansum; a sample no term scored counts 0, with a warning."""
+    def math_only(prompts, completions, task):
+        return [(1.0 if c == "4" else 0.0) if t == "math" else None for c, t in zip(completions, task, strict=True)]
+
+    def style(prompts, completions, task):
+        return [0.5 if t == "chat" else None for t in task]
+
+    terms = reward_terms({"math": (math_only, 2.0), "style": (style, 1.0)})
+    fields = {"task": ["math", "math", "chat", "other"]}
+    total, by_name = compute_rewards(terms, ["2+2="] * 4, ["4", "5", "hi", "?"], fields)
+    assert total.tolist() == [2.0, 0.0, 0.5, 0.0]  # not renormalised: the chat sample keeps style's weight 1
+    assert torch.equal(by_name["math"].isnan(), torch.tensor([False, False, True, True]))
+    assert "1 sample(s) got None from every reward function and count as reward 0, e.g. sample 3" in caplog.text
+    batch = make_batch()
+    batch.reward_terms = by_name
+    assert batch.to_pandas()["reward/style"].isna().tolist() == [True, True, False, True]
+
+
 def test_gap_covers_only_the_rows_with_engine_logprobs():
     """Rows 1 and 3 came back without engine log-probs (NaN): the gap and the table skip them, never NaN-poisoned."""
     batch = make_batch()

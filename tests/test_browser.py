@@ -222,7 +222,7 @@ def test_quickstart_dashboard_in_chromium(tmp_path, widgets_in_kernels):
 TRAJECTORY_CELLS = [
     "import rlkit\nfrom rlkit.widgets import TrajectoryView\n\ncluster = rlkit.launch(world_size=1)",
     'config = rlkit.GRPOConfig(model="tiny-agent", seed=0, prompts_per_step=2, group_size=4,\n'
-    "                          rollout=rlkit.RolloutConfig(max_new_tokens=64, max_prompt_tokens=40),\n"
+    "                          rollout=rlkit.RolloutConfig(max_new_tokens=64),\n"
     "                          agent=rlkit.AgentConfig(max_turns=2))\n"
     "trainer = rlkit.Trainer(cluster, config)\n"
     "batch = trainer.advantages(trainer.score(trainer.rollout()))",

@@ -1,67 +1,276 @@
-"""`rlkit train`: one line per step and an offline HTML report."""
+"""`rlkit train` start to finish: each run's folder complete (history, report with samples, checkpoints, a final
+model transformers loads and generates with), compact step lines, a kill -9 and `--resume auto` giving the
+uninterrupted run's history and weights in one folder, and the messages that stop a run before launch or end it.
 
+The GRPO, PPO and DPO runs happen once for the module (in this process); the tests read their folders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
 import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
 
+import pandas as pd
 import pytest
+import torch
 
 from rlkit.cli import main
+from rlkit.config import config_from_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "rlkit" / "data" / "examples" / "addition"
+COMPARED = ["step", "reward/mean", "reward/correct/mean", "reward/short/mean", "response/length/mean", "actor/loss",
+            "val/reward/mean"]
+"""The history columns a resumed run must reproduce (timings and memory differ)."""
+STEP = re.compile(r"^\s+(\d+)\s+-?\d+\.\d{3}\s")
+REWARDS = '''
+def correct(prompts, completions, *, answer, **fields):
+    return [float(c.split("<|endoftext|>")[0].strip() == a.strip()) for c, a in zip(completions, answer)]
+
+
+def short(prompts, completions, **fields):
+    """An opinion on the completions of at most 2 characters only (None: no opinion on the others)."""
+    return [1.0 if len(c.split("<|endoftext|>")[0].strip()) <= 2 else None for c in completions]
+'''
+GRPO = f"""
+model = "tiny"
+steps = 3
+prompts_per_step = 4
+group_size = 4
+trackers = ["tensorboard"]
+[data]
+train_files = "{DATA / "train.parquet"}"
+val_files = "{DATA / "val.parquet"}"
+[validation]
+every = 2
+before_training = true
+[[rewards]]
+function = "rewards.py:correct"
+[[rewards]]
+function = "rewards.py:short"
+weight = 0.5
+[rollout]
+max_new_tokens = 6
+[checkpoint]
+every = 1
+"""
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rewards.py").write_text(REWARDS)
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def train(*argv: str) -> tuple[int, str, str]:
+    """``rlkit train ARGV`` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["train", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """GRPO (3 steps, checkpoints, TensorBoard, two reward terms, a pretended 0.01 GiB GPU for the memory
+    warning), PPO (1 step, the default folder under the working directory) and DPO (3 steps, held-out pairs
+    scored before training and every 2 steps)."""
+    import rlkit.cli.train
+
+    root = tmp_path_factory.mktemp("cli")
+    done = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rlkit.cli.train, "visible_gpu_memory_gib", lambda: 0.01)
+        done["grpo"] = (root / "grpo", *train(str(write(root, "grpo.toml", GRPO)), "--output-dir", str(root / "grpo")))
+    ppo = write(root, "ppo.toml", 'algorithm = "ppo"\nmodel = "tiny"\nsteps = 1\nprompts_per_step = 4\n'
+                                  "[rollout]\nmax_new_tokens = 6\n")  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        code, out, err = train(str(ppo))
+    (folder,) = (root / "outputs").iterdir()
+    done["ppo"] = (folder, code, out, err)
+    pd.read_parquet(DATA / "dpo.parquet").head(16).to_parquet(root / "pairs.parquet")
+    pd.read_parquet(DATA / "dpo.parquet").tail(6).to_parquet(root / "held_out.parquet")
+    dpo = write(root, "dpo.toml", 'algorithm = "dpo"\nmodel = "tiny"\nsteps = 3\nbatch_size = 8\nbeta = 0.5\n'
+                                  '[data]\ntrain_files = "pairs.parquet"\nval_files = "held_out.parquet"\n'
+                                  "[validation]\nevery = 2\nbefore_training = true\n[optim]\nlr = 2e-4\n")  # fmt: skip
+    done["dpo"] = (root / "dpo", *train(str(dpo), "--output-dir", str(root / "dpo")))
+    return done
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("algorithm, steps", [("grpo", 3), ("ppo", 1), ("dpo", 3)])
+def test_each_run_keeps_everything_in_its_folder(runs, algorithm, steps):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, code, out, err = runs[algorithm]
+    assert code == 0, out + err
+    history = pd.read_csv(folder / "history.csv")
+    assert history.loc[history["step"] > 0, "step"].tolist() == list(range(1, steps + 1))
+    config = config_from_toml(folder / "config.toml")  # the config as run, read back
+    assert config.algorithm == algorithm and config.steps == steps and Path(config.output_dir) == folder
+    page = (folder / "report.html").read_text()
+    assert "Plotly.newPlot" in page and not re.search(r"<script[^>]+src=[\"']https?://", page), "offline report"
+    assert "<h3>Step 1 (" in page and f"<h3>Step {steps} (" in page, "samples of the first and last steps"
+    assert "rlkit" in (folder / "rlkit.log").read_text()
+    assert sorted(p.name for p in (folder / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    model = AutoModelForCausalLM.from_pretrained(folder / "final")  # the final model, without rlkit
+    tokenizer = AutoTokenizer.from_pretrained(folder / "final")
+    ids = tokenizer("12+7=", return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] > ids["input_ids"].shape[1]
+    assert f"output in {folder}" in out and f"output: {folder} (history.csv, report.html" in out
+
+
+@pytest.mark.timeout(60)
+def test_steps_print_one_compact_line_each_with_every_reward_term(runs):
+    folder, _, out, err = runs["grpo"]
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("step "))
+    assert header.split()[:5] == ["step", "reward", "correct", "short", "kl"]
+    steps = [line for line in lines if STEP.match(line)]
+    assert len(steps) == 3 and all(len(line) <= 100 for line in steps), steps
+    assert all(line.split()[4] == "-" for line in steps), "kl_coef = 0: the KL is not measured, shown as -"
+    history = pd.read_csv(folder / "history.csv")
+    assert history["kl/mean"].isna().all()
+    assert steps[0].split()[2] == f"{history['reward/correct/mean'][1]:.3f}"
+    assert history.loc[history["step"] > 0, "reward/short/mean"].notna().all()  # over the samples it scored
+    assert "val: reward" in steps[1] and "val:" not in steps[0] + steps[2]  # validation every 2 steps
+    assert re.search(r"^   0 +val: reward \d\.\d{3}", out, re.M)  # and before training: step 0
+    assert history["val/reward/mean"].notna().tolist() == [True, False, True, False]
+    assert "[rank" not in out and "INFO" not in out + err, "worker and info lines stay in the logs"
+    assert "memory-will-not-fit" in err and "fix:" in err  # the pretended 0.01 GiB GPU: warned before launch
+    assert re.search(r"^done: 3 steps, \d+s; mean reward \S+ \(first step\) -> \S+ \(last\)$", out, re.M)
+    ppo_out = runs["ppo"][2]
+    assert re.search(r"^done: 1 step, \d+s; mean reward -?\d\.\d{3}$", ppo_out, re.M)  # no "first 3 steps"
+    assert re.search(r"outputs/ppo-tiny-\d{8}-\d{6}", ppo_out), "the default folder: outputs/<algo>-<model>-<time>"
+
+
+@pytest.mark.timeout(60)
+def test_dpo_scores_its_held_out_pairs_before_training_and_every_two_steps(runs):
+    folder, _, out, _ = runs["dpo"]
+    history = pd.read_csv(folder / "history.csv")
+    assert history["step"].tolist() == [0, 1, 2, 3]
+    assert history["val/loss"].notna().tolist() == [True, False, True, False]
+    assert history["val/loss"][0] == pytest.approx(math.log(2), rel=1e-5)  # the policy is still the reference
+    assert "dpo held-out examples: 6 from data.val_files" in out
+    step0 = next(line for line in out.splitlines() if line.startswith("   0"))
+    assert "val: loss 0.693, accuracy 0.000" in step0
+
+
+def run_cli(*argv: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlkit", "train", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_run_resumes_into_the_same_folder_and_matches_the_uninterrupted_one(runs, tmp_path):
+    """kill -9 after step 2 (its checkpoint written), then --resume auto: the GRPO run's history and final
+    weights, one folder, one TensorBoard run whose steps continue, and the killed run's rendezvous folder gone."""
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reference = runs["grpo"][0]
+    toml, folder = write(tmp_path, "grpo.toml", GRPO), tmp_path / "run"
+    killed = run_cli(str(toml), "--output-dir", str(folder), cwd=tmp_path)
+    seen = []
+    for line in killed.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        if STEP.match(line) and STEP.match(line).group(1) == "2":
+            killed.send_signal(signal.SIGKILL)
+            break
+    assert killed.wait(60) == -signal.SIGKILL, "".join(seen)
+    private = Path(tempfile.gettempdir()).glob("rlkit-*-private-*")
+    orphaned = [p for p in private if (p / "owner.pid").read_text() == str(killed.pid)]
+    assert orphaned, "the killed run's rendezvous folder (its controller could not remove it)"
+
+    resumed = run_cli(str(toml), "--resume", "--output-dir", str(folder), cwd=tmp_path)
+    out = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, out
+    assert "resuming from" in out and "step-000002 (step 2 of 3)" in out
+    assert [STEP.match(line).group(1) for line in out.splitlines() if STEP.match(line)] == ["3"]
+    assert not any(p.exists() for p in orphaned), "a later launch removes a killed run's rendezvous folder"
+    history, expected = pd.read_csv(folder / "history.csv"), pd.read_csv(reference / "history.csv")
+    pd.testing.assert_frame_equal(history[COMPARED], expected[COMPARED])
+    weights, expected_weights = load_file(folder / "final" / "model.safetensors"), load_file(
+        reference / "final" / "model.safetensors")  # fmt: skip
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(weights[name], value, msg=name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grpo.toml", "rewards.py", "run"], "one folder"
+    events = EventAccumulator(str(folder / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
 
 
 @pytest.mark.timeout(300)
-def test_train_prints_a_line_per_step_and_writes_an_offline_report(tmp_path, capsys):
-    config = tmp_path / "c.toml"
-    config.write_text('model = "tiny"\nprompts_per_step = 4\ngroup_size = 4\n[rollout]\nmax_new_tokens = 6\n')
-    report = tmp_path / "r.html"
-    assert main(["train", str(config), "--steps", "3", "--report", str(report)]) == 0
-    out = capsys.readouterr().out
-    steps = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\d\.\d{3}\s", line)]
-    assert len(steps) == 3, out
-    assert all("rollout=" in line and "sync=" in line for line in steps)
-    page = report.read_text()
-    assert "reward/mean" in page and "Plotly.newPlot" in page
-    assert not re.search(r"<script[^>]+src=[\"']https?://", page), "the report must not load scripts from the network"
+def test_a_reward_failure_keeps_the_run_and_prints_the_fix_and_the_resume_command(tmp_path):
+    """The judge fails at step 2: step 1's history, a checkpoint of step 1 written at the failure (checkpointing
+    is off), a few lines with the resume command; the traceback in rlkit.log; the judge called twice, not 2 + 16."""
+    (tmp_path / "judge.py").write_text(textwrap.dedent('''
+        from pathlib import Path
+
+        CALLS = Path(__file__).with_name("calls.txt")
 
 
-def test_bad_config_is_reported_before_launch(tmp_path, capsys):
-    config = tmp_path / "c.toml"
-    config.write_text("group_size = 1\nprompts_per_step = 3\n")
-    assert main(["train", str(config)]) == 2
-    assert "group_size=1" in capsys.readouterr().err
+        def judge(prompts, completions, **fields):
+            calls = len(CALLS.read_text()) if CALLS.exists() else 0
+            CALLS.write_text("x" * (calls + 1))
+            if calls == 1:
+                raise ConnectionError("the judge API is down")
+            return [0.5] * len(completions)
+        '''))  # fmt: skip
+    toml = tmp_path / "judged.toml"
+    toml.write_text('model = "tiny"\nsteps = 3\nprompts_per_step = 2\ngroup_size = 2\n[rollout]\nmax_new_tokens = 4\n'
+                    '[[rewards]]\nfunction = "judge.py:judge"\n')  # fmt: skip
+    folder = tmp_path / "out"
+    code, out, err = train(str(toml), "--output-dir", str(folder))
+    assert code == 1
+    assert (tmp_path / "calls.txt").read_text() == "xx", "the judge was called again after it raised"
+    lines = err.strip().splitlines()
+    assert lines[0] == ("error at step 2: reward function 'judge' raised ConnectionError: the judge API is down "
+                        '(at judge.py:11 in judge: raise ConnectionError("the judge API is down"))')  # fmt: skip
+    assert lines[1] == f"kept in {folder}: history.csv (1 step), checkpoint step-000001 (written now)"
+    assert lines[2].startswith("fix: the reward function")
+    assert lines[3] == f"then resume with: rlkit train {toml} --resume auto --output-dir {folder}"
+    assert lines[4] == f"full traceback: {folder / 'rlkit.log'}" and len(lines) == 5, err
+    assert "Traceback" in (folder / "rlkit.log").read_text() and "Traceback" not in err
+    assert pd.read_csv(folder / "history.csv")["step"].tolist() == [1]
+    assert (folder / "report.html").exists() and (folder / "checkpoints" / "step-000001" / "trainer.json").exists()
 
 
-@pytest.mark.timeout(300)
-def test_a_setting_that_will_not_fit_is_warned_before_launch_with_the_fix(tmp_path, capsys, monkeypatch):
-    """On a (pretended) GPU of 0.01 GiB the estimate's peak does not fit: the CLI says so, with the fixes,
-    before any worker starts."""
-    import rlkit.cli
-
-    monkeypatch.setattr(rlkit.cli, "visible_gpu_memory_gib", lambda: 0.01)
-    config = tmp_path / "c.toml"
-    config.write_text('model = "tiny"\nprompts_per_step = 2\ngroup_size = 2\n[rollout]\nmax_new_tokens = 4\n')
-    assert main(["train", str(config), "--steps", "1", "--report", str(tmp_path / "r.html")]) == 0
-    captured = capsys.readouterr()
-    assert "memory-will-not-fit" in captured.err and "fix:" in captured.err
-
-
-@pytest.mark.timeout(300)
-def test_train_runs_dpo_from_a_toml_with_pairs_beside_it(tmp_path, capsys):
-    import pandas as pd
-
-    from rlkit.data.preferences import SHIPPED_DIR
-
-    pd.read_parquet(SHIPPED_DIR / "dpo.parquet").head(16).to_parquet(tmp_path / "pairs.parquet")
-    config = tmp_path / "dpo.toml"
-    config.write_text(
-        'algorithm = "dpo"\nmodel = "tiny"\ntrain_files = "pairs.parquet"\nbatch_size = 8\nbeta = 0.5\n'
-        f'run_dir = "{tmp_path / "runs"}"\n[optim]\nlr = 2e-4\n'
-    )
-    report = tmp_path / "r.html"
-    assert main(["train", str(config), "--steps", "3", "--report", str(report)]) == 0
-    out = capsys.readouterr().out
-    assert "dpo examples: 16 from train_files" in out and str(tmp_path / "pairs.parquet") in out
-    steps = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\d\.\d{3}\s+-?\d\.\d{3}\s", line)]
-    assert len(steps) == 3 and steps[0].split()[1:4] == ["0.000", "0.000", "0.6931"], out
-    assert "preference accuracy: first 3 steps" in out
-    assert "rewards/accuracy" in report.read_text()
-    assert main(["train", str(config), "--rollout", "vllm"]) == 2
-    assert "DPO samples nothing (no rollout)" in capsys.readouterr().err
+@pytest.mark.timeout(120)
+def test_problems_are_named_before_launch(tmp_path, monkeypatch):
+    """World sizes 0 and -2, typos in two tables, an empty data file, a missing reward file (both places looked in
+    named), a batch that does not divide: messages, no traceback, nothing launched; more ranks than cores warned."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "empty.jsonl").write_text("")
+    toml = tmp_path / "cfg" / "c.toml"
+    toml.write_text('model = "tiny"\n[data]\ntrain_files = "empty.jsonl"\n[[rewards]]\nfunction = "nowhere.py:f"\n'
+                    "[rollout]\ntemprature = 1.0\n[optim]\nwarmup = 10\n")  # fmt: skip
+    for size in ("0", "-2"):
+        code, out, err = train(str(toml), "--world-size", size)
+        assert code == 2 and f"--world-size {size}: the number of worker processes must be >= 1" in err, err
+        assert "unknown setting rollout.temprature: did you mean rollout.temperature?" in err
+        assert "unknown setting optim.warmup: did you mean optim.warmup_steps?" in err
+        assert "Traceback" not in err and "error: 3 problem(s)" in err
+    fixed = toml.with_name("fixed.toml")
+    fixed.write_text(toml.read_text().replace("temprature", "temperature").replace("warmup", "warmup_steps"))
+    code, out, err = train(str(fixed), "--world-size", "64")
+    assert code == 2 and "Traceback" not in err
+    assert re.search(r"warning: 64 worker processes on \d+ CPU core\(s\)", err)
+    assert f'data.train_files: "{tmp_path / "cfg" / "empty.jsonl"}" is empty (0 bytes, no rows)' in err
+    looked = f"looked for {tmp_path / 'cfg' / 'nowhere.py'} and {tmp_path / 'nowhere.py'}"
+    assert f'rewards[0].function="nowhere.py:f": no file nowhere.py ({looked})' in err
+    assert "prompts_per_step=16 does not divide across 64 ranks" in err
+    assert not (tmp_path / "outputs").exists(), "a run that did not start leaves no folder"

@@ -37,9 +37,65 @@ def test_toml_round_trip(tmp_path):
     assert GRPOConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_unknown_setting_names_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['temprature'\] in \[rollout\]"):
-        GRPOConfig.from_dict({"rollout": {"temprature": 1.0}})
+def test_every_config_problem_is_reported_at_once_each_typo_with_its_closest_name(tmp_path):
+    """Two typos in two sections, a setting in the wrong table, an unknown one and a bad value: one report."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "stpes = 3\nmax_new_tokens = 8\nnonsense = 1\n[rollout]\ntemprature = 1.0\n[optim]\nlr = -1.0\n"
+        "[critic.optim]\nweight_decy = 0.1\n"
+    )
+    path.write_text('algorithm = "ppo"\n' + path.read_text())
+    with pytest.raises(ConfigError) as err:
+        config_from_toml(path)
+    assert err.value.problems == [
+        "unknown setting stpes: did you mean steps?",
+        "unknown setting max_new_tokens: did you mean rollout.max_new_tokens (under [rollout])?",
+        "unknown setting nonsense: the top level has no such setting; remove it",
+        "unknown setting rollout.temprature: did you mean rollout.temperature?",
+        "unknown setting critic.optim.weight_decy: did you mean critic.optim.weight_decay?",
+        "optim.lr=-1.0: must be > 0 (e.g. 1e-5 for a 0.5B model)",
+    ]
+
+
+def test_tables_come_from_the_dataclasses_so_a_new_section_is_checked_without_a_list(tmp_path):
+    from dataclasses import dataclass, field
+
+    @dataclass(kw_only=True)
+    class ToolsConfig:
+        max_turns: int = 1
+
+    @dataclass(kw_only=True)
+    class AgentConfig(GRPOConfig):
+        tools: ToolsConfig = field(default_factory=ToolsConfig)
+
+    assert AgentConfig.from_dict({"tools": {"max_turns": 3}}).tools == ToolsConfig(max_turns=3)
+    with pytest.raises(ConfigError, match=r"unknown setting tools.max_turn: did you mean tools.max_turns\?"):
+        AgentConfig.from_dict({"tools": {"max_turn": 3}})
+
+
+def test_earlier_layouts_are_read_with_a_warning_naming_the_new_place(caplog):
+    from rlkit.config import config_from_dict
+
+    with caplog.at_level("WARNING", logger="rlkit.config"):
+        rl = config_from_dict({"rollout": {"max_prompt_tokens": 99}})
+        dpo = config_from_dict({"algorithm": "dpo", "train_files": "p.parquet", "max_completion_tokens": 9})
+    assert rl.data.max_prompt_tokens == 99
+    assert dpo.data.train_files == ["p.parquet"] and dpo.data.max_completion_tokens == 9
+    text = caplog.text
+    assert "[rollout] max_prompt_tokens is deprecated: write it as max_prompt_tokens under [data]" in text
+    assert "train_files (at the top level) is deprecated: write it as train_files under [data]" in text
+
+
+def test_the_config_as_run_is_written_as_toml_that_reads_back(tmp_path):
+    from rlkit.config import config_from_toml, to_toml
+
+    config = PPOConfig(kl_clamp=None, rewards=[{"function": "r.py:f", "weight": 0.5, "name": "a \"b\""}],
+                       data={"train_files": ["x.parquet"]}, critic={"optim": {"lr": 2e-3}})
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config.to_dict()))
+    back = config_from_toml(path)
+    assert "# kl_clamp: None" in path.read_text()
+    assert back == PPOConfig(**{**vars(config), "kl_clamp": 10.0})  # TOML has no None: the default comes back
 
 
 def test_ppo_config_shares_settings_and_round_trips(tmp_path):

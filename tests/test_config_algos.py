@@ -27,8 +27,12 @@ def test_new_rl_defaults_are_valid_and_match_the_functions():
         assert params["estimator"].default == PPOConfig().kl_estimator == GRPOConfig().kl_estimator
         assert params["clamp"].default == GRPOConfig().kl_clamp
         assert params["log_ratio_clamp"].default == GRPOConfig().log_ratio_clamp
-    for fn in algos.POLICY_LOSSES.values():
+    assert algos.PolicyLossSettings().log_ratio_clamp == GRPOConfig().log_ratio_clamp
+    for fn in (algos.ppo_clip_policy_loss, algos.gspo_policy_loss, algos.cispo_policy_loss, algos.sapo_policy_loss):
         assert inspect.signature(fn).parameters["log_ratio_clamp"].default == GRPOConfig().log_ratio_clamp
+    settings, sapo = algos.PolicyLossSettings(), inspect.signature(algos.sapo_policy_loss).parameters
+    assert (settings.sapo_tau_pos, settings.sapo_tau_neg) == (GRPOConfig().sapo_tau_pos, GRPOConfig().sapo_tau_neg)
+    assert (sapo["tau_pos"].default, sapo["tau_neg"].default) == (1.0, 1.05)
 
 
 def test_new_rl_settings_are_accepted():
@@ -54,7 +58,7 @@ def test_new_rl_settings_are_accepted():
 def test_new_rl_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as err:
         GRPOConfig(
-            policy_loss="cispo",
+            policy_loss="cipso",
             log_ratio_clamp=100.0,
             kl_clamp=0.0,
             loss_agg="seq-sum",
@@ -66,7 +70,7 @@ def test_new_rl_problems_are_reported_at_once():
         )
     text = str(err.value)
     for name in (
-        "policy_loss=\"cispo\": use one of ['ppo_clip', 'gspo']",
+        "policy_loss=\"cipso\": use one of ['ppo_clip', 'gspo', 'cispo', 'sapo']",
         "log_ratio_clamp=100.0: must be in (0, 80]",
         "kl_clamp=0.0: must be > 0",
         'loss_agg="seq-sum"',
@@ -103,7 +107,7 @@ def test_preference_defaults_and_round_trip(tmp_path):
     assert DPOConfig(optim={"lr": 2e-6}).optim == OptimConfig(lr=2e-6)
     with pytest.raises(ConfigError, match='algorithm="kto" given to DPOConfig'):
         DPOConfig.from_dict(kto.to_dict())
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['betta'\] in the top level"):
+    with pytest.raises(ConfigError, match=r"unknown setting betta: did you mean beta\?"):
         DPOConfig.from_dict({"betta": 0.1})
 
 

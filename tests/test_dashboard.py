@@ -95,6 +95,7 @@ def test_a_failing_run_is_shown_and_the_dashboard_stays_usable(cluster):
     dash.run(5)
     assert dash.wait(120)
     assert isinstance(dash.error, RewardError) and "flaky reward" in dash._error.value
+    assert "Nothing is lost" in dash._error.value  # the notebook's advice, a note of the error
     assert trainer.steps_done == 1 and list(dash.views["training"].history["step"]) == [1]
     assert not dash._run_button.disabled
     dash.step()

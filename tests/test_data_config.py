@@ -76,7 +76,7 @@ def test_every_form_problem_at_once():
 
 
 def test_unknown_reward_setting_names_the_table():
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['wieght'\] in \[rewards\]"):
+    with pytest.raises(ConfigError, match=r"unknown setting rewards\[0\].wieght: did you mean rewards\[0\].weight\?"):
         config_from_dict({"rewards": [{"function": "a.py:f", "wieght": 2}]})
 
 

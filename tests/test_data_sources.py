@@ -117,8 +117,8 @@ def test_long_prompts_are_rejected_or_dropped_with_count_and_examples(plain_toke
     with pytest.raises(ConfigError) as err:
         load(DataConfig(), plain_tokenizer, limit, prompts=rows)
     (problem,) = err.value.problems
-    assert f"2 of 4 prompts are longer than rollout.max_prompt_tokens={limit}" in problem
-    assert f"raise rollout.max_prompt_tokens to {max(lengths)}" in problem and 'long_prompts = "drop"' in problem
+    assert f"2 of 4 prompts are longer than data.max_prompt_tokens={limit}" in problem
+    assert f"raise data.max_prompt_tokens to {max(lengths)}" in problem and 'long_prompts = "drop"' in problem
     assert f"row 1 ({lengths[1]} tokens)" in problem and f"row 3 ({lengths[3]} tokens)" in problem
     with caplog.at_level("WARNING", logger="rlkit.data.loading"):
         source, report = load(DataConfig(long_prompts="drop"), plain_tokenizer, limit, prompts=rows)

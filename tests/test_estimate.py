@@ -326,9 +326,10 @@ def test_vllm_engine_awake_in_rollout_asleep_in_update():
 
 
 def test_preflight_lints_an_oversize_config_with_its_fix_and_passes_a_fitting_one():
-    rollout = rlkit.RolloutConfig(max_new_tokens=1024, min_new_tokens=1024, max_prompt_tokens=64)
+    rollout = rlkit.RolloutConfig(max_new_tokens=1024, min_new_tokens=1024)
     big = rlkit.GRPOConfig(model="tiny", prompts_per_step=16, group_size=8, micro_batch_size=16,
-                           recompute_logprobs=False, padding_free=False, rollout=rollout)
+                           recompute_logprobs=False, padding_free=False, rollout=rollout,
+                           data=rlkit.DataConfig(max_prompt_tokens=64))
     found = dx.preflight(big, QWEN_3B, world_size=1, device_memory_gib=H200_GIB)
     assert found.ids == ["memory-will-not-fit"]
     finding = found.items[0]

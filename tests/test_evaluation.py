@@ -59,3 +59,10 @@ def test_binary_total_gets_pass_at_k_and_uneven_groups_are_refused():
     assert m["val/reward/pass@2"] == 1.0 and m["val/reward/pass@1"] == 0.5
     with pytest.raises(ValueError, match="same number of samples"):
         validation_metrics(torch.ones(3), {}, torch.tensor([0, 0, 1]))
+
+
+def test_a_term_that_returned_none_is_averaged_over_the_samples_it_scored():
+    terms = {"math": torch.tensor([1.0, float("nan"), 0.0, float("nan")])}
+    out = validation_metrics(torch.tensor([1.0, 0.0, 0.0, 0.0]), terms, torch.tensor([0, 0, 1, 1]))
+    assert out["val/reward/math/mean"] == 0.5 and "val/reward/math/pass@1" not in out
+    assert out["val/reward/pass@2"] == 0.5

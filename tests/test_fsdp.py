@@ -56,7 +56,8 @@ def config(version: int, micro: int, max_tokens: int = 0) -> rlkit.GRPOConfig:
         kl_coef=KL,
         micro_batch_size=micro,
         max_tokens_per_micro_batch=max_tokens,
-        rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH, max_prompt_tokens=6),
+        rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH),
+        data=rlkit.DataConfig(max_prompt_tokens=6),
         optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5),
         fsdp=rlkit.FSDPConfig(version=version),
     )

@@ -134,7 +134,7 @@ def test_run_data_reports_all_acceptance_problems_together(tmp_path, reward_dir)
     p = err.value.problems
     assert len(p) == 6, p
     assert p[0].startswith('data.train_files: "gone.parquet" does not exist')
-    assert "1 of 2 prompts are longer than rollout.max_prompt_tokens=64" in p[1]
+    assert "1 of 2 prompts are longer than data.max_prompt_tokens=64" in p[1]
     assert "needs a chat template but the tokenizer" in p[2]
     assert p[3].startswith('rewards[0].function="missing.py:f": no file missing.py')
     assert "one_arg takes (completions)" in p[4]

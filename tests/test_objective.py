@@ -12,12 +12,16 @@ from test_fsdp import WIDTH, small_model
 
 import rlkit
 from rlkit.algos import (
+    Correction,
     aggregate_loss,
     clipped_policy_loss,
     clipped_value_loss,
+    correction_weights,
+    engine_log_ratio,
     entropy_from_logits,
     kl_estimate,
     masked_mean,
+    mismatch_summary,
 )
 from rlkit.models.logprobs import response_logits, token_logprobs
 
@@ -132,6 +136,73 @@ def test_custom_policy_loss_travels_by_value(cluster, model_dir):
     for rank, result in enumerate(cluster.run(sharded_policy_update, model_dir, "token-mean", 2, reinforce)):
         assert_adam_step_matches(result["weights"], expected, grads, 1e-3, f"rank {rank}")
         assert result["metrics"]["actor/clipfrac"] == 0.0
+
+
+CORRECTION = {"weight": "token", "weight_cap": 1.3, "mask": "geometric", "mask_low": 0.9, "mask_high": 1.1}
+
+
+def with_engine(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with engine log-probs near the old ones (some geometric means leave [0.9, 1.1])."""
+    gen = torch.Generator().manual_seed(3)
+    return {**batch, "rollout_logprobs": batch["old_logprobs"] + 0.25 * torch.randn(8, WIDTH, generator=gen)}
+
+
+def engine_update(model_dir: str, correction: dict | None) -> dict:
+    """On a worker: an update given the engine's log-probs, with ``correction`` (None: off)."""
+    import dataclasses
+
+    from role_runs import policy_update
+
+    cfg = config("token-mean", 3)
+    if correction is not None:
+        cfg = dataclasses.replace(cfg, rollout_correction=rlkit.RolloutCorrectionConfig(**correction))
+    return policy_update(model_dir, cfg, with_engine(make_batch()))
+
+
+@pytest.mark.timeout(120)
+def test_engine_logprobs_with_correction_off_leave_the_update_bit_for_bit(cluster, model_dir):
+    plain = cluster.run(sharded_policy_update, model_dir, "token-mean", 3)
+    measured = cluster.run(engine_update, model_dir, None)
+    batch = with_engine(make_batch())
+    for rank in range(2):
+        assert measured[rank]["metrics"]["actor/loss"] == plain[rank]["metrics"]["actor/loss"]
+        for name, value in plain[rank]["weights"].items():
+            assert torch.equal(measured[rank]["weights"][name], value), name
+    metrics = measured[0]["metrics"]
+    assert metrics == measured[1]["metrics"] and not any(k.startswith("rollout_correction/") for k in metrics)
+    whole = mismatch_summary(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"])
+    assert metrics["mismatch/kl_k3"] == pytest.approx(whole["kl_k3"], rel=1e-5)
+    assert metrics["mismatch/abs_delta/max"] == pytest.approx(whole["abs_delta_max"], rel=1e-5)
+    assert metrics["mismatch/ratio/min"] == pytest.approx(whole["ratio_min"], rel=1e-5)
+    for rank, rows in enumerate((slice(0, 4), slice(4, 8))):
+        part = mismatch_summary(*(batch[k][rows] for k in ("old_logprobs", "rollout_logprobs", "response_mask")))
+        assert metrics[f"mismatch/rank{rank}/kl_k3"] == pytest.approx(part["kl_k3"], rel=1e-5)
+        assert metrics[f"mismatch/rank{rank}/abs_delta/max"] == pytest.approx(part["abs_delta_max"], rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_corrected_update_matches_reference(cluster, model_dir):
+    model, batch = small_model(), with_engine(make_batch())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    logits = response_logits(model, batch["input_ids"], batch["attention_mask"], WIDTH).float() / TEMPERATURE
+    logp = token_logprobs(logits, batch["input_ids"][:, -WIDTH:], 1.0)
+    per_token, _ = clipped_policy_loss(logp, batch["old_logprobs"], batch["advantages"], 0.2, clip_high=0.28,
+                                       dual_clip=3.0)  # fmt: skip
+    delta, checked = engine_log_ratio(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"])
+    result = correction_weights(delta, checked, Correction(**CORRECTION))
+    assert 0 < result.rejected.float().mean() < 0.9 and result.truncated.any()  # the case exercises both
+    per_token = result.weights * per_token + 0.05 * kl_estimate(logp, batch["ref_logprobs"], "k2")
+    loss = aggregate_loss(per_token - 0.01 * entropy_from_logits(logits), batch["response_mask"], "token-mean")
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
+    optimizer.step()
+    expected = {k: v.detach() for k, v in model.named_parameters()}
+    masked = result.rejected.float()[checked].mean().item()
+    for rank, got in enumerate(cluster.run(engine_update, model_dir, CORRECTION)):
+        assert got["metrics"]["actor/loss"] == pytest.approx(loss.item(), rel=1e-5), rank
+        assert got["metrics"]["rollout_correction/masked_frac"] == pytest.approx(masked, rel=1e-6)
+        assert_adam_step_matches(got["weights"], expected, grads, 1e-3, f"rank {rank}")
 
 
 def test_custom_policy_loss_with_wrong_shape_is_named():

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,6 +251,42 @@ def test_worker_output_is_forwarded_with_prefix_and_logged(cluster, capsys):
     assert "hello from rank 1" in (cluster.log_dir / "rank1.log").read_text()
 
 
+QUIET = [
+    "(Worker pid=27818) WARNING 12-02 06:32:34 [layerwise.py:266] ParallelLMHead: Failed to load weights",
+    "(EngineCore pid=27375) INFO 12-02 06:31:28 [core.py:133] Initializing a V1 LLM engine (v0.32.0)",
+    "INFO rlkit.runtime.roles: PolicyWorker ready",
+    "/usr/lib/python3.11/site-packages/vllm/x.py:138: FutureWarning: `reduce_op` is deprecated",
+    "  if hasattr(value, '__dict__'):",
+    "W1202 06:32:24.488000 27818 torch/_library/triton.py:53] Triton not available",
+    "Loading safetensors checkpoint shards:   0% Completed\rLoading safetensors checkpoint shards: 100% Completed",
+]
+"""Worker lines that stay in the rank log: vLLM's own log lines, rlkit's info notes, a library's warning with
+its source line, torch's glog-style warnings, a progress bar."""
+
+
+def test_a_verbose_forwarder_forwards_every_line(tmp_path, capsys):
+    from rlkit.runtime.logs import OutputForwarder
+
+    for verbose in (True, False):
+        forwarder = OutputForwarder(verbose=verbose)
+        forwarder.add(0, tmp_path / f"verbose-{verbose}.log")
+        forwarder.feed(0, [line + "\n" for line in QUIET])
+        assert capsys.readouterr().out.count("[rank 0] ") == (len(QUIET) if verbose else 0)
+
+
+@pytest.mark.timeout(60)
+def test_vllm_and_library_noise_stays_in_the_rank_log(cluster, capsys):
+    def noisy():
+        for line in [*QUIET, "(EngineCore pid=1) ERROR 12-02 06:32:40 [core.py:1] the engine died", "my own line"]:
+            print(line, flush=True)
+
+    cluster.run(noisy)
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("[rank 0]")] == [
+        "[rank 0] (EngineCore pid=1) ERROR 12-02 06:32:40 [core.py:1] the engine died", "[rank 0] my own line"]
+    assert all(line in (cluster.log_dir / "rank0.log").read_text() for line in QUIET[:-1])
+
+
 @pytest.mark.timeout(60)
 def test_worker_output_is_rate_limited_but_fully_logged(cluster, capsys):
     def flood():
@@ -438,12 +475,17 @@ def test_ranks_stuck_after_another_rank_failed_break_the_cluster(cluster):
 
 
 @pytest.mark.timeout(60)
-def test_launch_replaces_earlier_cluster_and_shutdown_is_idempotent(tmp_path):
+def test_launch_replaces_earlier_cluster_and_shutdown_is_idempotent(tmp_path, caplog):
     first = launch(2, device="cpu")
     first_pids = _pids(first)
+    with pytest.raises(RemoteError) as failed:
+        first.run(lambda: 1 / 0)
+    assert f"Worker logs: {first.log_dir}" in "".join(failed.value.__notes__)
     threads = 1 if os.cpu_count() // 2 >= 2 else 2  # not the default share of the cores
     second = launch(2, device="cpu", log_dir=tmp_path, env={"OMP_NUM_THREADS": str(threads)})
     assert first.closed and _all_gone(first_pids)
+    assert (first.log_dir / "rank0.log").exists() and f"worker logs kept in {first.log_dir}" in caplog.text
+    shutil.rmtree(first.log_dir)  # a clean shutdown removes its own (tests/test_runtime_exposure.py)
     assert second.run(torch.get_num_threads) == [threads, threads]
     assert second.log_dir == tmp_path and (tmp_path / "rank1.log").exists()
     second_pids = _pids(second)

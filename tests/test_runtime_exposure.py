@@ -216,9 +216,9 @@ def _footprint() -> dict[str, object]:
 
 
 def _left_on_disk(cluster_id: str) -> list[str]:
-    """A cluster's shared-memory files and private directory (its logs stay, by design)."""
+    """A cluster's shared-memory files, private directory and log folder (removed at a clean shutdown)."""
     return [p for pattern in (f"/dev/shm/rlkit-{cluster_id}-*", f"{tempfile.gettempdir()}/rlkit-{cluster_id}-*")
-            for p in glob.glob(pattern) if "-logs-" not in p]
+            for p in glob.glob(pattern)]
 
 
 def _cycle(index: int) -> rlkit.runtime.Cluster:

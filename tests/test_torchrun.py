@@ -85,7 +85,7 @@ def test_rlkit_train_under_torchrun_prints_steps_writes_a_report_and_matches_the
             model = "tiny"
             prompts_per_step = 4
             group_size = 4
-            run_dir = "{tmp_path / "runs"}"
+            output_dir = "{tmp_path / "run"}"
             [rollout]
             max_new_tokens = 6
             """
@@ -95,11 +95,10 @@ def test_rlkit_train_under_torchrun_prints_steps_writes_a_report_and_matches_the
     done = torchrun("-m", "rlkit", "train", str(toml), "--steps", "3", "--report", str(report))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [line for line in done.stdout.splitlines() if STEP_LINE.match(line)]
-    assert len(steps) == 3 and all("rollout=" in line and "sync=" in line for line in steps), done.stdout
+    assert len(steps) == 3, done.stdout
     assert "2 worker(s) (torchrun)" in done.stdout
-    assert "reward/mean" in report.read_text()
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    under_torchrun = pd.read_csv(run_dir / "history.csv")
+    assert "reward/mean" in report.read_text() and (tmp_path / "run" / "final" / "model.safetensors").exists()
+    under_torchrun = pd.read_csv(tmp_path / "run" / "history.csv")
     config = config_from_toml(toml)
     config.steps = 3
     with rlkit.launch(world_size=2, env={"OMP_NUM_THREADS": "1"}) as cluster:

@@ -153,3 +153,31 @@ def test_all_three_at_once(tmp_path, monkeypatch):
     trackers = run(["tensorboard", "wandb", "mlflow"], tmp_path / "run")
     assert [t.name for t in trackers] == ["tensorboard", "wandb", "mlflow"]
     assert {p.name for p in (tmp_path / "run").iterdir()} >= {"tensorboard", "wandb", "mlruns"}
+
+
+def test_a_resumed_training_continues_the_folders_tensorboard_and_mlflow_runs(tmp_path, monkeypatch):
+    """Steps 1-3 logged, the process killed after its checkpoint of step 2, the resumed one logs 3 and 4: one
+    TensorBoard run (step 3 as logged again) and one MLflow run with every step."""
+    for package in ("tensorboard", "mlflow"):
+        pytest.importorskip(package)
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    first = build_trackers(["tensorboard", "mlflow"], tmp_path, CONFIG)
+    for step in (1, 2, 3):
+        for tracker in first:
+            tracker.log_metrics(step, {"reward/mean": float(step)})
+    resumed = build_trackers(["tensorboard", "mlflow"], tmp_path, CONFIG, first_step=3)
+    for step in (3, 4):
+        for tracker in resumed:
+            tracker.log_metrics(step, {"reward/mean": 10.0 * step})
+    for tracker in first + resumed:
+        tracker.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert resumed[1].run_id == first[1].run_id
+    history = MlflowClient(first[1].tracking_uri).get_metric_history(first[1].run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [1, 2, 3, 3, 4]  # MLflow keeps both values of step 3

@@ -72,7 +72,7 @@ def test_too_long_prompt_is_rejected_before_any_model_loads_or_dropped_on_reques
     prompts = [{"prompt": p, "answer": "2"} for p in ["1+1=", "2+2=" * 40]]
     reward = {"one": lambda prompts, completions, answer: [1.0] * len(prompts)}
     config = rlkit.GRPOConfig(**{**TINY, "prompts_per_step": 2})
-    with pytest.raises(rlkit.ConfigError, match=r"1 of 2 prompts are longer than rollout.max_prompt_tokens=64"):
+    with pytest.raises(rlkit.ConfigError, match=r"1 of 2 prompts are longer than data.max_prompt_tokens=64"):
         rlkit.Trainer(cluster, config, prompts=prompts, reward_fn=reward)
     dropping = rlkit.GRPOConfig(**{**TINY, "prompts_per_step": 2}, data=rlkit.config.DataConfig(long_prompts="drop"))
     batch = rlkit.Trainer(cluster, dropping, prompts=prompts, reward_fn=reward).rollout()

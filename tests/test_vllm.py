@@ -185,6 +185,37 @@ def test_grpo_steps_with_vllm_rollout(trainer):
     assert last["reward/mean"].between(0, 1).all()
 
 
+def plant_repetition_penalty(penalty: float | None) -> None:
+    """On a worker: the engine's SamplingParams carry a repetition penalty the trainer does not apply (None: not)."""
+    import functools
+
+    import vllm
+
+    original = vars(vllm).setdefault("_rlkit_sampling_params", vllm.SamplingParams)
+    vllm.SamplingParams = original if penalty is None else functools.partial(original, repetition_penalty=penalty)
+
+
+@pytest.mark.timeout(600)
+def test_mismatch_names_a_repetition_penalty_and_a_skipped_sync(cluster, trainer):
+    clean = trainer.mismatch()
+    assert clean.causes == [] and clean.summary["abs_delta_max"] < 1e-4, str(clean)
+    assert "unreadable" in clean.checks.set_index("check").loc["stale weights", "evidence"]  # CPU-packed linears
+    cluster.run(plant_repetition_penalty, 1.3)
+    try:
+        penalised = trainer.mismatch()
+    finally:
+        cluster.run(plant_repetition_penalty, None)
+    assert penalised.causes == ["sampling: repetition_penalty"], str(penalised)
+    cluster.run(skip_syncs, True)
+    try:
+        update_with_random_advantages(trainer)
+        stale = trainer.mismatch()
+    finally:
+        cluster.run(skip_syncs, False)
+        cluster.run(sync)
+    assert stale.causes == ["stale weights"], str(stale)
+
+
 @pytest.mark.timeout(600)
 def test_replacing_the_trainer_and_shutting_down_free_the_engines(cluster, trainer):
     old = cluster.run(engine_processes)

@@ -321,11 +321,29 @@ def test_rollout_view_colours_the_logprob_gap_and_draws_rewards_per_group():
     assert token_rgba(-5.0, "logprob", 0) == "rgba(210,0,0,0.60)" and token_rgba(-0.5, "logprob", 0).endswith("0.06)")
 
 
+def test_rollout_view_colours_the_mismatch_by_sign_and_lists_the_top_tokens():
+    b = batch()
+    b.old_logprobs[0, 0] = -0.25  # the trainer more confident than the engine by 0.25 nats
+    b.rollout_logprobs[3] = torch.nan  # a row without engine log-probs
+    view = RolloutView(b, decode, colouring="mismatch", page_size=4)
+    colours = [c for c, _ in spans(view.summary_html())]
+    assert colours[0] == "rgba(210,0,0,0.07)"  # +0.25 of the largest |delta|, 2: 0.125 * 0.6
+    assert colours[6] == "rgba(0,70,220,0.60)"  # sample 2, token 1: -2, the largest
+    assert colours[-3:] == ["rgba(0,0,0,0.00)"] * 3  # no engine log-probs, no colour
+    top = view.top_mismatched(2)
+    assert [(r["sample"], r["position"], r["token"]) for r in top] == [(2, 1, "h"), (0, 0, "c")]
+    assert top[0]["delta"] == pytest.approx(-2.0) and top[0]["ratio"] == pytest.approx(math.exp(-2.0))
+    assert "Most mismatched tokens" in view.summary_html() and "Most mismatched tokens" in view.export_html()
+    b.old_logprobs = None
+    unscored = RolloutView(b, decode)
+    assert unscored.top_mismatched() == [] and "Most mismatched" not in unscored.export_html()
+
+
 def test_rollout_view_before_scoring_and_before_any_rollout():
     b = batch()
     b.rewards, b.advantages, b.reward_terms = None, None, {}
     view = RolloutView(b, decode)
-    assert view.available() == ["logprob_gap", "logprob"] and view.current_colouring() == "logprob_gap"
+    assert view.available() == ["logprob_gap", "mismatch", "logprob"] and view.current_colouring() == "logprob_gap"
     assert view.figures() == []
     assert "no rollout yet" in RolloutView(None).summary_html()
     with pytest.raises(ValueError, match="colouring='reward'"):

@@ -132,9 +132,8 @@ class Dashboard:
             logger.exception("dashboard refresh failed")
             error = error or exc
         if error is not None:
-            self._error.value = (
-                f'<pre class="flag" style="color:#b00020">{html.escape(f"{type(error).__name__}: {error}")}</pre>'
-            )
+            text = "\n".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])])  # with the advice
+            self._error.value = f'<pre class="flag" style="color:#b00020">{html.escape(text)}</pre>'
 
     def _idle(self) -> None:
         self._set_buttons(running=False)

@@ -1,4 +1,5 @@
-"""RolloutView: a step's samples page by page, completion tokens coloured by advantage, log-prob gap or log-prob."""
+"""RolloutView: a step's samples page by page, completion tokens coloured by advantage, mismatch, log-prob gap or
+log-prob, and the tokens where engine and trainer disagree most."""
 
 from __future__ import annotations
 
@@ -11,27 +12,33 @@ import torch
 from rlkit.data.batch import Batch
 from rlkit.widgets.view import View
 
-COLOURINGS = ("advantage", "logprob_gap", "logprob")
+COLOURINGS = ("advantage", "logprob_gap", "mismatch", "logprob")
 GAP_FULL = 1.0
 """A trainer-vs-engine log-prob gap of this many nats or more is drawn fully red (healthy runs: < 1e-3)."""
 OBSERVATION_STYLE = "background:#e8e8e8;color:#666;white-space:pre"
 """How a trajectory's observation tokens (attended to, not the model's, not trained on) are drawn."""
 LOGPROB_FULL = 5.0
 """A token log-prob of minus this or lower (p < 0.7%) is drawn fully red."""
+TOP_TOKENS = 8
+"""How many of the most mismatched tokens the view lists."""
 LEGENDS = {
     "advantage": "green: positive advantage, red: negative (deeper: larger, relative to the batch's largest)",
+    "mismatch": "red: the trainer gives the token more probability than the engine did (delta = trainer - engine "
+    "log-prob > 0), blue: less (deeper: larger, relative to the batch's largest |delta|)",
     "logprob_gap": f"red: |trainer - engine| log-prob of the token (full at {GAP_FULL:g} nat; healthy runs stay white)",
     "logprob": f"red: unlikely tokens under the rollout engine (full at log-prob -{LOGPROB_FULL:g})",
 }
 
 
 def token_rgba(value: float, colouring: str, scale: float) -> str:
-    """The background of a token: green/red by sign for advantages (relative to ``scale``), red for large gaps
-    and unlikely tokens (absolute scales :data:`GAP_FULL`, :data:`LOGPROB_FULL`)."""
+    """The background of a token: green/red by sign for advantages, red/blue by sign for the mismatch (both relative
+    to ``scale``), red for large gaps and unlikely tokens (absolute scales :data:`GAP_FULL`, :data:`LOGPROB_FULL`)."""
     if not math.isfinite(value):  # no engine log-prob for this row
         return "rgba(0,0,0,0.00)"
-    if colouring == "advantage":
+    if colouring in ("advantage", "mismatch"):
         alpha = min(1.0, abs(value) / scale) * 0.6 if scale > 0 else 0.0
+        if colouring == "mismatch":
+            return f"rgba(210,0,0,{alpha:.2f})" if value >= 0 else f"rgba(0,70,220,{alpha:.2f})"
         return f"rgba(0,150,0,{alpha:.2f})" if value >= 0 else f"rgba(210,0,0,{alpha:.2f})"
     full = GAP_FULL if colouring == "logprob_gap" else LOGPROB_FULL
     size = value if colouring == "logprob_gap" else -value
@@ -91,7 +98,8 @@ class RolloutView(View):
         b = self.batch
         if b is None:
             return []
-        have = {"advantage": b.advantages is not None, "logprob_gap": b.old_logprobs is not None, "logprob": True}
+        scored = b.old_logprobs is not None
+        have = {"advantage": b.advantages is not None, "mismatch": scored, "logprob_gap": scored, "logprob": True}
         return [c for c in COLOURINGS if have[c]]
 
     def current_colouring(self) -> str | None:
@@ -107,10 +115,46 @@ class RolloutView(View):
             assert b.advantages is not None, "no advantages to colour by yet"
             adv = b.advantages.float()
             return adv[:, None].expand_as(b.response_mask) if adv.dim() == 1 else adv
+        if colouring == "mismatch" and b.old_logprobs is not None:
+            return torch.where(b.engine_checked(), b.old_logprobs - b.rollout_logprobs, torch.nan)
         gap = b.logprob_gap_tokens()
         if colouring == "logprob_gap" and gap is not None:
             return gap
         return b.rollout_logprobs
+
+    def top_mismatched(self, count: int = TOP_TOKENS) -> list[dict[str, object]]:
+        """The ``count`` response tokens with the largest |trainer - engine| log-prob: sample, position, token,
+        engine and trainer log-probs, delta and ratio (empty before the trainer scored the rollout)."""
+        b = self._shown()
+        if b.old_logprobs is None:
+            return []
+        delta = torch.where(b.engine_checked(), b.old_logprobs - b.rollout_logprobs, torch.nan)
+        flat = delta.abs().nan_to_num(-1.0).flatten()
+        ids = b.input_ids[:, b.prompt_length :]
+        width = delta.shape[1]
+        out = []
+        for index in flat.argsort(descending=True)[:count].tolist():
+            i, t = divmod(index, width)
+            if flat[index] < 0:
+                break
+            d = float(delta[i, t])
+            out.append({"sample": i, "position": t, "token": self.decode(int(ids[i, t])),
+                        "engine": float(b.rollout_logprobs[i, t]), "trainer": float(b.old_logprobs[i, t]),
+                        "delta": d, "ratio": math.exp(max(min(d, 20.0), -20.0))})  # fmt: skip
+        return out
+
+    def top_html(self) -> str:
+        """The :meth:`top_mismatched` tokens as a table (nothing before the trainer scored the rollout)."""
+        top = self.top_mismatched()
+        if not top:
+            return ""
+        head = "".join(f"<th>{h}</th>" for h in ("sample", "position", "token", "engine", "trainer", "delta", "ratio"))
+        rows = "".join(
+            f"<tr><td>{r['sample']}</td><td>{r['position']}</td><td>{html.escape(repr(r['token']))}</td>"
+            f"<td>{r['engine']:.4g}</td><td>{r['trainer']:.4g}</td><td>{r['delta']:.3g}</td><td>{r['ratio']:.4g}</td></tr>"
+            for r in top
+        )
+        return f"<p>Most mismatched tokens (trainer vs engine log-prob):</p><table><tr>{head}</tr>{rows}</table>"
 
     # -- rendering ----------------------------------------------------------------------------------
 
@@ -135,7 +179,7 @@ class RolloutView(View):
     def rows_html(self, indices: range) -> str:
         b, colouring = self._shown(), self.current_colouring() or "logprob"
         values = self.token_values(colouring)
-        scale = float(values.abs().max()) if colouring == "advantage" else 0.0
+        scale = float(values.abs().nan_to_num(0.0).max()) if colouring in ("advantage", "mismatch") else 0.0
         gaps = b.logprob_gap()
         terms = list(b.reward_terms)
         head = [
@@ -197,12 +241,14 @@ class RolloutView(View):
             f"<p>{html.escape(self._headline())}. Page {self.page + 1} of {self.pages}.</p>"
             + self._legend()
             + self.rows_html(self._page_indices())
+            + self.top_html()
         )
 
     def export_html(self) -> str:
         if self.batch is None:
             return self.summary_html()
-        return f"<p>{html.escape(self._headline())}.</p>" + self._legend() + self.rows_html(range(len(self.batch)))
+        body = self._legend() + self.rows_html(range(len(self.batch))) + self.top_html()
+        return f"<p>{html.escape(self._headline())}.</p>" + body
 
     def _legend(self) -> str:
         legend = html.escape(LEGENDS[self.current_colouring() or "logprob"])

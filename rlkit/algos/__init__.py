@@ -19,11 +19,26 @@ from rlkit.algos.advantages import (
     rloo_advantages,
 )
 from rlkit.algos.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_weights, weighted_sum
+from rlkit.algos.correction import (
+    CORRECTION_LEVELS,
+    Correction,
+    CorrectionWeights,
+    correction_metrics,
+    correction_weights,
+    engine_log_ratio,
+    level_log_ratio,
+    mismatch_metrics,
+    mismatch_summary,
+    rejection_keep,
+    truncated_weights,
+)
 from rlkit.algos.dapo import informative_groups, mask_truncated, overlong_penalty
 from rlkit.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
 from rlkit.algos.losses import (
     POLICY_LOSSES,
-    ClipPolicyLossFn,
+    PolicyLossSettings,
+    RegisteredPolicyLoss,
+    cispo_policy_loss,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
@@ -31,8 +46,9 @@ from rlkit.algos.losses import (
     gspo_policy_loss,
     masked_mean,
     ppo_clip_policy_loss,
+    sapo_policy_loss,
 )
-from rlkit.algos.metrics import Mean, token_mean
+from rlkit.algos.metrics import Max, Mean, Metric, Min, token_max, token_mean, token_min
 from rlkit.algos.objective import PolicyLossFn, PolicyObjective, policy_objective, value_objective
 from rlkit.algos.preference import (
     DPO_LOSSES,
@@ -48,6 +64,26 @@ from rlkit.algos.preference import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CORRECTION_LEVELS",
+    "Correction",
+    "CorrectionWeights",
+    "Max",
+    "Metric",
+    "Min",
+    "PolicyLossSettings",
+    "RegisteredPolicyLoss",
+    "cispo_policy_loss",
+    "correction_metrics",
+    "correction_weights",
+    "engine_log_ratio",
+    "level_log_ratio",
+    "mismatch_metrics",
+    "mismatch_summary",
+    "rejection_keep",
+    "sapo_policy_loss",
+    "token_max",
+    "token_min",
+    "truncated_weights",
     "DPO_LOSSES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -57,7 +93,6 @@ __all__ = [
     "PolicyObjective",
     "AdvantageFn",
     "AdvantageInputs",
-    "ClipPolicyLossFn",
     "aggregate_loss",
     "clipped_policy_loss",
     "clipped_value_loss",

@@ -1,4 +1,4 @@
-"""Policy losses (PPO clip, GSPO) and their registry, the value loss and the entropy bonus, per token.
+"""Policy losses (PPO clip, GSPO, CISPO, SAPO) and their registry, the value loss and the entropy bonus, per token.
 
 Aggregation over tokens is in :mod:`rlkit.algos.aggregation`.
 """
@@ -6,8 +6,8 @@ Aggregation over tokens is in :mod:`rlkit.algos.aggregation`.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -99,26 +99,6 @@ def gspo_policy_loss(
     return torch.where(mask, loss, 0.0), clipped * mask
 
 
-class ClipPolicyLossFn(Protocol):
-    """``fn(new_logprobs, old_logprobs, advantages, response_mask, *, clip_eps, clip_high, dual_clip,
-    log_ratio_clamp) -> (loss, clipped)``: [B, T] tensors in ([B] or [B, T] advantages), [B, T] out.
-    ``functools.partial(fn, clip_eps=..., clip_high=..., dual_clip=..., log_ratio_clamp=...)`` has the
-    four-argument form of ``Trainer(policy_loss_fn=...)``."""
-
-    def __call__(
-        self,
-        new_logprobs: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        *,
-        clip_eps: float,
-        clip_high: float | None,
-        dual_clip: float | None,
-        log_ratio_clamp: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 def ppo_clip_policy_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -130,7 +110,7 @@ def ppo_clip_policy_loss(
     dual_clip: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`clipped_policy_loss` under the registry's signature (the mask is required)."""
+    """:func:`clipped_policy_loss` with the mask required, in the keyword form :func:`gspo_policy_loss` shares."""
     return clipped_policy_loss(
         new_logprobs,
         old_logprobs,
@@ -143,11 +123,125 @@ def ppo_clip_policy_loss(
     )
 
 
-POLICY_LOSSES: Mapping[str, ClipPolicyLossFn] = types.MappingProxyType(
-    {"ppo_clip": ppo_clip_policy_loss, "gspo": gspo_policy_loss}
+def cispo_policy_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_eps: float,
+    clip_high: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, detached importance ratio.
+
+    L_t = -sg(clip(r_t, 1 - clip_eps, 1 + clip_high)) * A_t * logp_t, so dL/dlogp_t = -w_t * A_t: a clip
+    scales a token's gradient, never zeroes it (PPO's clip drops the tokens it clips). The loss's value
+    is not a surrogate of the return, its gradient is. verl ``loss_mode="cispo"`` clips the same way with
+    ``clip_ratio_low``/``clip_ratio_high``; TRL ``loss_type="cispo"`` caps from above only, at ``epsilon_high``
+    as an absolute ratio (recommended 5.0): that is clip_eps >= 1 (no lower clip), clip_high = 4 here.
+
+    Args:
+        new_logprobs, old_logprobs: [B, T]; advantages: [B] or [B, T]; response_mask: [B, T].
+        clip_eps, clip_high: the weight is clipped to [1 - clip_eps, 1 + clip_high] (clip_high None: clip_eps);
+            clip_eps >= 1 leaves it unbounded below.
+        log_ratio_clamp: the log-ratio is clamped to +-this before exp.
+    Returns:
+        loss: [B, T] (0 where masked); clipped: [B, T] 1.0 where the weight was clipped (gradient scaled, kept).
+    """
+    log_ratio, advantages = _masked_inputs(new_logprobs - old_logprobs, advantages, response_mask)
+    mask = response_mask > 0
+    ratio = torch.exp(log_ratio.detach().clamp(-log_ratio_clamp, log_ratio_clamp))
+    high = clip_eps if clip_high is None else clip_high
+    weight = ratio.clamp(1.0 - clip_eps, 1.0 + high)
+    loss = -weight * advantages * torch.where(mask, new_logprobs, 0.0)
+    return torch.where(mask, loss, 0.0), ((weight != ratio) & mask).float()
+
+
+def sapo_policy_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAPO (Soft Adaptive Policy Optimization, Gao et al. 2025): a smooth gate on the ratio instead of a hard clip.
+
+    L_t = -(4 / tau) * sigmoid(tau * (r_t - 1)) * A_t with tau = tau_pos where A_t > 0, else tau_neg, so
+    dL/dlogp_t = -4 sigmoid (1 - sigmoid) r_t A_t: -A_t at r = 1 (PPO's gradient on-policy), fading as the
+    ratio leaves 1 (faster for negative advantages, tau_neg > tau_pos). verl ``loss_mode="sapo"`` (``tau_pos``,
+    ``tau_neg``) and TRL ``loss_type="sapo"`` (``sapo_temperature_pos``, ``sapo_temperature_neg``) use the same
+    defaults, and aggregate "seq-mean-token-mean" (set ``loss_agg`` to match them).
+
+    Args:
+        new_logprobs, old_logprobs: [B, T]; advantages: [B] or [B, T]; response_mask: [B, T].
+        tau_pos, tau_neg: the gate's temperatures (> 0) for positive and non-positive advantages.
+        log_ratio_clamp: the log-ratio is clamped to +-this before exp.
+    Returns:
+        loss: [B, T] (0 where masked); clipped: [B, T] zeros (no token's gradient is removed).
+    """
+    log_ratio, advantages = _masked_inputs(new_logprobs - old_logprobs, advantages, response_mask)
+    ratio = torch.exp(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+    return torch.where(response_mask > 0, loss, 0.0), torch.zeros_like(loss)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossSettings:
+    """The settings the registered policy losses read (each reads its own; see :data:`POLICY_LOSSES`)."""
+
+    clip_eps: float = 0.2
+    """PPO, GSPO, CISPO: the ratio (CISPO: the weight) is clipped to [1 - clip_eps, 1 + clip_high]."""
+    clip_high: float | None = None
+    """Upper clip; None: clip_eps."""
+    dual_clip: float | None = None
+    """PPO, GSPO: the dual-clip constant (None: off)."""
+    log_ratio_clamp: float = 20.0
+    """Every loss: the log-ratio is clamped to +-this before exp."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: the gate's temperature for positive advantages."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: the gate's temperature for non-positive advantages."""
+
+
+RegisteredPolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossSettings], tuple[torch.Tensor, torch.Tensor]
+]
+"""``fn(new_logprobs, old_logprobs, advantages, response_mask, settings) -> (loss, clipped)``: [B, T] in
+([B] or [B, T] advantages), [B, T] out."""
+
+
+def _ppo_clip(new, old, advantages, mask, s: PolicyLossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    return ppo_clip_policy_loss(new, old, advantages, mask, clip_eps=s.clip_eps, clip_high=s.clip_high,
+                                dual_clip=s.dual_clip, log_ratio_clamp=s.log_ratio_clamp)  # fmt: skip
+
+
+def _gspo(new, old, advantages, mask, s: PolicyLossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    return gspo_policy_loss(new, old, advantages, mask, clip_eps=s.clip_eps, clip_high=s.clip_high,
+                            dual_clip=s.dual_clip, log_ratio_clamp=s.log_ratio_clamp)  # fmt: skip
+
+
+def _cispo(new, old, advantages, mask, s: PolicyLossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    return cispo_policy_loss(new, old, advantages, mask, clip_eps=s.clip_eps, clip_high=s.clip_high,
+                             log_ratio_clamp=s.log_ratio_clamp)  # fmt: skip
+
+
+def _sapo(new, old, advantages, mask, s: PolicyLossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    return sapo_policy_loss(new, old, advantages, mask, tau_pos=s.sapo_tau_pos, tau_neg=s.sapo_tau_neg,
+                            log_ratio_clamp=s.log_ratio_clamp)  # fmt: skip
+
+
+POLICY_LOSSES: Mapping[str, RegisteredPolicyLoss] = types.MappingProxyType(
+    {"ppo_clip": _ppo_clip, "gspo": _gspo, "cispo": _cispo, "sapo": _sapo}
 )
-"""Policy losses by name (the config's ``policy_loss``): "ppo_clip" (per-token ratio, PPO) and "gspo"
-(sequence ratio, GSPO-token). All share :class:`ClipPolicyLossFn`'s signature."""
+"""Policy losses by name (the config's ``policy_loss``), each ``fn(new_logprobs, old_logprobs, advantages,
+response_mask, settings)``: "ppo_clip" (per-token ratio, PPO; :func:`ppo_clip_policy_loss`), "gspo" (sequence
+ratio, GSPO-token; :func:`gspo_policy_loss`), "cispo" (clipped IS weight, gradient through the log-prob;
+:func:`cispo_policy_loss`) and "sapo" (soft gate; :func:`sapo_policy_loss`)."""
 
 
 def _masked_inputs(

@@ -13,7 +13,15 @@ checkpoint settings.
 from rlkit.config.agent import AgentConfig, ToolSpec
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
-from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig
+from rlkit.config.correction import RolloutCorrectionConfig
+from rlkit.config.data import (
+    DataConfig,
+    PreferenceDataConfig,
+    PreferenceValidationConfig,
+    RewardSpec,
+    ValidationConfig,
+)
+from rlkit.config.outputs import default_output_dir, to_toml
 from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
 from rlkit.config.readers import config_from_dict, config_from_toml
 from rlkit.config.run import RLConfig
@@ -44,13 +52,18 @@ __all__ = [
     "OptimConfig",
     "PPOConfig",
     "PreferenceConfig",
+    "PreferenceDataConfig",
+    "PreferenceValidationConfig",
     "RLConfig",
     "RewardSpec",
     "RewardModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "SHARDING",
     "ToolSpec",
     "ValidationConfig",
     "config_from_dict",
     "config_from_toml",
+    "default_output_dir",
+    "to_toml",
 ]

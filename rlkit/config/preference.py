@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 from rlkit.algos.preference import DPO_LOSSES
 from rlkit.config.checks import ConfigError, need
-from rlkit.config.data import trackers_problems
+from rlkit.config.data import PreferenceDataConfig, PreferenceValidationConfig, trackers_problems
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import CheckpointConfig, FSDPConfig, OptimConfig
-from rlkit.config.tables import from_table
+from rlkit.config.tables import config_from_tables, convert_tables
 
 
 @dataclass(kw_only=True)
@@ -32,21 +32,12 @@ class PreferenceConfig:
     """"tiny" (the bundled model) or a local Hugging Face model directory; the reference is a frozen copy."""
     seed: int = 0
     """Seed for shuffling and initialisation; same seed, same run."""
-    train_files: list[str] = field(default_factory=list)
-    """The examples: .parquet, .jsonl/.json, .csv files or ``datasets`` save_to_disk folders (a string or a list;
-    their rows are concatenated), with the columns prompt/chosen/rejected (DPO) or prompt/completion/label (KTO).
-    Relative paths are looked up next to the TOML file, then in the working directory. Empty: the examples
-    passed in Python (``PreferenceTrainer(pairs=...)``), or with model="tiny" the shipped addition set."""
     steps: int = 50
     """Steps (optimizer steps) that ``fit()`` runs by default, >= 1."""
     batch_size: int = 16
     """Examples per optimizer step over all ranks (pairs for DPO); must divide across ranks."""
     micro_batch_size: int = 8
     """Examples per forward/backward on a rank (gradient accumulation above it)."""
-    max_prompt_tokens: int = 256
-    """Prompts longer than this (in tokens) are rejected with an error naming them."""
-    max_completion_tokens: int = 256
-    """Completions longer than this (in tokens) are rejected with an error naming them."""
     beta: float = 0.1
     """Strength of the implicit KL to the reference (the reward is beta * log(pi / pi_ref)), > 0."""
     trust_remote_code: bool = False
@@ -60,17 +51,16 @@ class PreferenceConfig:
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that get every metric, the config and each step's examples with their rewards: any of
     "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
-    run_dir: str = "runs"
-    """Folder of the runs' own files: each trainer writes into ``run_dir/<algorithm>-<date>-<time>/`` (tracker
-    files; with ``rlkit train`` also ``history.csv``)."""
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    """The example files, held-out examples and length limits (``[data]``, as in an RL run)."""
+    validation: PreferenceValidationConfig = field(default_factory=PreferenceValidationConfig)
+    """When the held-out examples (``data.val_files``) are scored (``[validation]``)."""
+    output_dir: str = ""
+    """The run's folder (``history.csv``, ``config.toml``, trackers, ``checkpoints/``, the report, ``final/``);
+    "": as for :attr:`rlkit.config.RLConfig.output_dir`."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.train_files, str):
-            self.train_files = [self.train_files]
-        for name, kind in (("optim", OptimConfig), ("fsdp", FSDPConfig), ("checkpoint", CheckpointConfig)):
-            value = getattr(self, name)
-            if isinstance(value, dict):
-                setattr(self, name, from_table(kind, value, name))
+        convert_tables(self)
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -83,15 +73,9 @@ class PreferenceConfig:
         need(p, self.steps >= 1, f"steps={self.steps}: must be >= 1")
         need(p, self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1")
         need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
-        need(p, self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
-        need(p, self.max_completion_tokens >= 1, f"max_completion_tokens={self.max_completion_tokens}: must be >= 1")
         need(p, self.beta > 0, f"beta={self.beta}: must be > 0, e.g. 0.1")
-        need(
-            p,
-            isinstance(self.train_files, list) and all(isinstance(x, str) and x.strip() for x in self.train_files),
-            f"train_files={self.train_files!r}: give a path or a list of paths (each a non-empty string)",
-        )
-        p += self._algorithm_problems() + trackers_problems(self.trackers)
+        p += self._algorithm_problems() + trackers_problems(self.trackers) + self.data.problems()
+        p += self.validation.problems()
         return p + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
 
     def _algorithm_problems(self) -> list[str]:
@@ -142,7 +126,7 @@ class PreferenceConfig:
         algorithm = data.pop("algorithm", cls.algorithm)
         if algorithm != cls.algorithm:
             raise ConfigError([f'algorithm="{algorithm}" given to {cls.__name__}: use the config of that algorithm'])
-        return from_table(cls, data, "")
+        return config_from_tables(cls, data)
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,14 @@
-"""Reading a config from plain data (a checkpoint's ``trainer.json``) or a TOML file, by its ``algorithm``."""
+"""Reading a config from plain data (a checkpoint's ``trainer.json``) or a TOML file, by its ``algorithm``.
+
+Layouts of earlier versions are still read, each moved setting with a warning naming its new place:
+``[rollout] max_prompt_tokens`` and a DPO/KTO config's top-level ``train_files``, ``max_prompt_tokens`` and
+``max_completion_tokens`` are now in ``[data]``; ``run_dir`` (a parent folder) became ``output_dir`` (the
+run's own folder).
+"""
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -9,8 +16,11 @@ from typing import Any
 
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
+from rlkit.config.outputs import default_output_dir
 from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
 from rlkit.config.run import RLConfig
+
+logger = logging.getLogger(__name__)
 
 CONFIGS: dict[str, type[RLConfig] | type[PreferenceConfig]] = {
     "grpo": GRPOConfig,
@@ -27,15 +37,54 @@ def config_from_dict(data: dict[str, Any]) -> Any:
     algorithm = data.get("algorithm", "grpo")
     if algorithm not in CONFIGS:
         raise ConfigError([f'algorithm="{algorithm}": use one of {list(CONFIGS)}'])
-    return CONFIGS[algorithm].from_dict(data)
+    return CONFIGS[algorithm].from_dict(_moved(data, algorithm))
+
+
+MOVED = {
+    "rl": {"rollout.max_prompt_tokens": "data.max_prompt_tokens"},
+    "preference": {
+        "train_files": "data.train_files",
+        "max_prompt_tokens": "data.max_prompt_tokens",
+        "max_completion_tokens": "data.max_completion_tokens",
+    },
+}
+"""Settings of earlier layouts, by kind of config: old dotted name -> new dotted name."""
+
+
+def _moved(data: dict[str, Any], algorithm: str) -> dict[str, Any]:
+    """``data`` with the settings of earlier layouts moved to their new places, each with a warning."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    kind = "preference" if issubclass(CONFIGS[algorithm], PreferenceConfig) else "rl"
+    for old, new in MOVED[kind].items():
+        old_table, _, old_key = old.rpartition(".")
+        source = data.get(old_table, {}) if old_table else data
+        if not isinstance(source, dict) or old_key not in source:
+            continue
+        value = source.pop(old_key)
+        new_table, _, new_key = new.rpartition(".")
+        target = data.setdefault(new_table, {})
+        if isinstance(target, dict) and new_key not in target:
+            target[new_key] = value
+        logger.warning("%s is deprecated: write it as %s under [%s] (read as such for now)",
+                       _toml_name(old), new_key, new_table)  # fmt: skip
+    if "run_dir" in data and not data.get("output_dir"):
+        run_dir = data.pop("run_dir")
+        data["output_dir"] = str(Path(run_dir) / default_output_dir(algorithm, str(data.get("model", "tiny"))).name)
+        logger.warning("run_dir is deprecated: output_dir names the run's own folder (here %s)", data["output_dir"])
+    return data
+
+
+def _toml_name(dotted: str) -> str:
+    table, _, key = dotted.rpartition(".")
+    return f"[{table}] {key}" if table else f"{key} (at the top level)"
 
 
 def config_from_toml(path: str | Path) -> Any:
     """Read a TOML config (``algorithm = "ppo"`` at the top selects PPOConfig; default "grpo").
 
-    Relative file paths in ``[data]``, ``[[rewards]]``, ``[[tools]]``, ``environment`` and a preference config's
-    ``train_files`` are taken from the TOML file's folder when something is there, else left to the working
-    directory, so a run's files can sit beside its config.
+    Relative file paths in ``[data]``, ``[[rewards]]``, ``[[tools]]`` and ``environment`` are taken from the TOML
+    file's folder when something is there, else left to the working directory, so a run's files can sit beside its
+    config. A relative ``output_dir`` is the working directory's, as every output of a run.
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -57,7 +106,7 @@ def _beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
             table[key] = [resolve(v) if isinstance(v, str) else v for v in value]
 
     data = dict(data)
-    resolve_files(data, "train_files")  # DPO and KTO name their examples at the top level
+    resolve_files(data, "train_files")  # the top-level train_files of DPO and KTO configs of earlier versions
     if isinstance(data.get("data"), dict):
         table = dict(data["data"])
         for key in ("train_files", "val_files"):

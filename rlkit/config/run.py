@@ -14,6 +14,7 @@ from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.algos.losses import POLICY_LOSSES
 from rlkit.config.agent import AgentConfig, ToolSpec
 from rlkit.config.checks import ConfigError, need
+from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import (
@@ -25,7 +26,7 @@ from rlkit.config.sections import (
     RolloutConfig,
     attention_problems,
 )
-from rlkit.config.tables import convert_tables, from_table
+from rlkit.config.tables import config_from_tables, convert_tables
 
 
 @dataclass(kw_only=True)
@@ -59,7 +60,7 @@ class RLConfig:
     max_tokens_per_micro_batch: int = 0
     """Token-budget micro-batches: each forward/backward takes rows of at most this many real tokens (prompt +
     response), as few micro-batches as fit, the same number on every rank, tokens balanced across them; 0 counts
-    sequences (micro_batch_size). Must hold the longest row: >= rollout.max_prompt_tokens + max_new_tokens."""
+    sequences (micro_batch_size). Must hold the longest row: >= data.max_prompt_tokens + rollout.max_new_tokens."""
     recompute_logprobs: bool = True
     """Score each rollout with the actor before the update (a forward pass over every sample) for the
     PPO ratio's old log-probs, ``batch.logprobs`` and the rollout log-prob gap. With one optimizer step
@@ -81,10 +82,17 @@ class RLConfig:
     dual_clip: float | None = None
     """Dual-clip constant c > 1 capping the loss of negative-advantage tokens at -c * A (e.g. 3.0); None = off."""
     policy_loss: str = "ppo_clip"
-    """Policy loss (rlkit.algos.POLICY_LOSSES): "ppo_clip" (per-token ratio, PPO) or "gspo" (the sequence's
+    """Policy loss (rlkit.algos.POLICY_LOSSES): "ppo_clip" (per-token ratio, PPO); "gspo" (the sequence's
     length-normalised ratio on every token, GSPO-token, Zheng et al. 2025; the paper clips with
-    clip_eps=3e-4, clip_high=4e-4 and aggregates with "seq-mean-token-mean"). Trainer(policy_loss_fn=...)
-    overrides it."""
+    clip_eps=3e-4, clip_high=4e-4 and aggregates with "seq-mean-token-mean"); "cispo" (MiniMax-M1: the ratio,
+    clipped to [1 - clip_eps, 1 + clip_high] and detached, weights REINFORCE's gradient, never zeroes it; verl
+    loss_mode="cispo"; TRL's loss_type="cispo" with epsilon_high=5 is clip_eps=1, clip_high=4); "sapo" (a soft
+    gate instead of the clip, temperatures sapo_tau_pos/neg; verl loss_mode="sapo", TRL loss_type="sapo"; both
+    aggregate "seq-mean-token-mean"). Trainer(policy_loss_fn=...) overrides it."""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature for tokens of positive advantage, > 0 (verl tau_pos; TRL sapo_temperature_pos)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature for the others, > 0 (verl tau_neg; TRL sapo_temperature_neg)."""
     log_ratio_clamp: float = 20.0
     """The policy's log-ratio to the old policy (and k3's exponent) is clamped to +-this before exp, its
     gradient 0 beyond (verl: 20), so a ratio never overflows; in (0, 80]."""
@@ -135,6 +143,8 @@ class RLConfig:
     "flash_attention_2" (needs flash-attn, GPU) or "flex_attention" (GPU; block-sparse document mask)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation settings; a string is short for ``RolloutConfig(engine=...)``, e.g. ``rollout="vllm"``."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection for the gap between engine and trainer (``[rollout_correction]``; off)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The actor's optimizer settings."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -144,7 +154,7 @@ class RLConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """An optional reward model on the workers."""
     data: DataConfig = field(default_factory=DataConfig)
-    """Prompt files, the prompt column and chat template, long-prompt handling (``[data]``)."""
+    """Prompt files, the prompt column and chat template, the prompt length limit (``[data]``)."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     """How often and how the validation prompts (``data.val_files``) are scored (``[validation]``)."""
     rewards: list[RewardSpec] = field(default_factory=list)
@@ -161,16 +171,16 @@ class RLConfig:
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that get every metric, the config and sample completions: any of
     "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
-    run_dir: str = "runs"
-    """Folder of the runs' own files: each Trainer writes into ``run_dir/<algorithm>-<date>-<time>/`` (tracker
-    files; with ``rlkit train`` also ``history.csv``); nothing is written there without trackers or the CLI."""
+    output_dir: str = ""
+    """The run's folder: ``history.csv`` (rewritten every step), ``config.toml``, the trackers' files, checkpoints
+    (``checkpoints/``), the report and the final model (``final/``) of ``rlkit train``. "": with ``rlkit train``,
+    ``outputs/<algorithm>-<model>-<YYYYmmdd-HHMMSS>`` under the working directory; in Python, that folder only when
+    trackers or checkpoints need one (else the trainer writes no files)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rollout, str):
             self.rollout = RolloutConfig(engine=self.rollout)
         convert_tables(self)
-        self.rewards = [from_table(RewardSpec, r, "rewards") if isinstance(r, dict) else r for r in self.rewards]
-        self.tools = [from_table(ToolSpec, t, "tools") if isinstance(t, dict) else t for t in self.tools]
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -190,15 +200,17 @@ class RLConfig:
         need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
         need(p, self.mini_batches >= 1, f"mini_batches={self.mini_batches}: must be >= 1")
         need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1")
-        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         need(
             p,
             self.max_tokens_per_micro_batch == 0 or self.max_tokens_per_micro_batch >= longest,
             f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must hold the longest row, "
-            f"rollout.max_prompt_tokens + max_new_tokens = {longest} tokens (or 0 to count sequences)",
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens (or 0 to count sequences)",
         )
         p += self._recompute_problems() + self._algorithm_problems()
-        need(p, 0 < self.clip_eps < 1, f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
+        cispo = self.policy_loss == "cispo"  # clip_eps >= 1 leaves CISPO's weight unbounded below (TRL's CISPO)
+        need(p, 0 < self.clip_eps and (cispo or self.clip_eps < 1), f"clip_eps={self.clip_eps}: must be in (0, 1), "
+             'e.g. 0.2 (> 0 with policy_loss="cispo", where >= 1 means no lower clip)')  # fmt: skip
         need(
             p,
             self.clip_high is None or self.clip_high > 0,
@@ -226,6 +238,7 @@ class RLConfig:
         )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
+        nested += self._correction_problems()
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _recompute_problems(self) -> list[str]:
@@ -284,6 +297,19 @@ class RLConfig:
             f"log_ratio_clamp={self.log_ratio_clamp}: must be in (0, 80] (exp(88) overflows float32), e.g. 20",
         )
         need(p, self.loss_agg in LOSS_AGG_MODES, f'loss_agg="{self.loss_agg}": use one of {LOSS_AGG_MODES}')
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            need(p, getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0 (SAPO: 1.0 and 1.05)")
+        return p
+
+    def _correction_problems(self) -> list[str]:
+        """The ``[rollout_correction]`` table's checks, and the engine log-probs it needs on every row."""
+        p = self.rollout_correction.problems()
+        need(
+            p,
+            not self.rollout_correction.enabled or self.rollout.engine != "vllm" or self.rollout.engine_logprobs == 1,
+            f"rollout_correction is on but rollout.engine_logprobs={self.rollout.engine_logprobs}: the correction "
+            "weighs every row by the engine's log-probs; set rollout.engine_logprobs=1",
+        )
         return p
 
     def _shaping_problems(self) -> list[str]:
@@ -378,5 +404,4 @@ class RLConfig:
                     "use rlkit.config.config_from_dict (or config_from_toml)"
                 ]
             )
-        return from_table(cls, data, "")
-
+        return config_from_tables(cls, data)

@@ -65,8 +65,6 @@ class RolloutConfig:
     """Maximum completion length in tokens, >= 1."""
     min_new_tokens: int = 0
     """End-of-text is suppressed before this many tokens (= max_new_tokens gives fixed lengths, for benchmarks)."""
-    max_prompt_tokens: int = 64
-    """Prompts longer than this (in tokens) are rejected with an error naming them."""
     temperature: float = 1.0
     """Sampling temperature, > 0 (GRPO needs diverse samples within a group)."""
     top_p: float = 1.0
@@ -105,7 +103,6 @@ class RolloutConfig:
             0 <= self.min_new_tokens <= self.max_new_tokens,
             f"{prefix}.min_new_tokens={self.min_new_tokens}: must be in [0, max_new_tokens={self.max_new_tokens}]",
         )
-        need(p, self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
         need(p, self.temperature > 0, f"{prefix}.temperature={self.temperature}: must be > 0")
         need(p, 0 < self.top_p <= 1, f"{prefix}.top_p={self.top_p}: must be in (0, 1]")
         need(
@@ -285,19 +282,21 @@ class CheckpointConfig:
     """Where and how often ``fit`` saves, and what a checkpoint holds."""
 
     dir: str = ""
-    """Folder for step-<N> checkpoints written by ``fit`` every ``every`` steps ("" = only explicit saves)."""
+    """Folder for the step-<N> checkpoints ``fit`` writes every ``every`` steps ("" = ``<output_dir>/checkpoints``)."""
     every: int = 0
-    """Save every this many steps during ``fit`` (0 = never; needs ``dir``)."""
+    """Save every this many steps during ``fit``, and after the last one (0 = never)."""
     keep_last: int = 3
     """Complete checkpoints kept in a folder; older ones are deleted after a new one is published (0 = keep all)."""
     export_hf: bool = True
     """Also write a Hugging Face export (safetensors, config, tokenizer) into each checkpoint's hf/ folder."""
+    save_final: bool = True
+    """``rlkit train`` writes the trained policy as a Hugging Face directory, ``<output_dir>/final/``, when the run
+    ends (transformers and vLLM load it as it is); False: no final model (checkpoints still as set)."""
 
     def problems(self, prefix: str = "checkpoint") -> list[str]:
         p: list[str] = []
         need(p, self.every >= 0, f"{prefix}.every={self.every}: must be >= 0 (0 = never)")
         need(p, self.keep_last >= 0, f"{prefix}.keep_last={self.keep_last}: must be >= 0 (0 = keep all)")
-        need(p, not (self.every and not self.dir), f"{prefix}.every={self.every} needs {prefix}.dir: set a folder")
         return p
 
 

@@ -34,7 +34,8 @@ def validation_metrics(
         terms: each reward term's [N] values.
         group: [N] the prompt each sample belongs to (any ids; every prompt has the same count n).
     Returns:
-        ``val/reward/mean`` and ``val/reward/<term>/mean``; for every binary (all 0/1) one of them also
+        ``val/reward/mean`` and ``val/reward/<term>/mean`` (over the samples the term scored: NaN is a None);
+        for every binary (all 0/1) one of them also
         ``val/reward[/<term>]/pass@k`` for k in :func:`pass_ks`; ``val/prompts`` and ``val/samples``.
     """
     _, counts = torch.unique(group, return_counts=True)
@@ -42,8 +43,8 @@ def validation_metrics(
         raise ValueError(f"every validation prompt needs the same number of samples, got counts {counts.tolist()}")
     out = {f"{prefix}/prompts": float(len(counts)), f"{prefix}/samples": float(len(group))}
     for name, values in [("reward", total), *((f"reward/{n}", v) for n, v in terms.items())]:
-        out[f"{prefix}/{name}/mean"] = values.float().mean().item()
-        if bool(((values == 0) | (values == 1)).all()):
+        out[f"{prefix}/{name}/mean"] = values.float().nanmean().item()  # a term's None samples are left out
+        if bool(((values == 0) | (values == 1)).all()):  # binary, and scored every sample
             out |= {f"{prefix}/{name}/pass@{k}": v for k, v in _pass_rates(values, group).items()}
     return out
 

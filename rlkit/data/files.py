@@ -77,10 +77,21 @@ def _read_one(path: Path, name: str) -> tuple[Any, str]:
     if builder is None:
         kind = path.suffix or "suffix-less"
         return None, f"{name} is a {kind} file; use one of {sorted(FORMATS)} or a datasets folder"
+    if _is_empty(path, builder):
+        return None, f"{name} is empty ({path.stat().st_size} bytes, no rows); give a file with at least one row"
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train"), ""
     except Exception as exc:  # noqa: BLE001 - any read failure is reported with the file's name
         return None, f"{name} could not be read as {builder}: {type(exc).__name__}: {_first_line(exc)}"
+
+
+def _is_empty(path: Path, builder: str) -> bool:
+    """Whether ``path`` holds nothing: no bytes, or (a text format) only whitespace in its first 64 KiB."""
+    size = path.stat().st_size
+    if size == 0 or builder == "parquet":
+        return size == 0
+    with open(path, "rb") as f:
+        return size <= 64 * 1024 and not f.read().strip()
 
 
 def _read_folder(path: Path, name: str) -> tuple[Any, str]:

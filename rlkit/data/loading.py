@@ -180,14 +180,14 @@ def _length_filter(
     if long and policy == "error":
         shown = "; ".join(_examples(long, lengths, texts))
         return [], [
-            f"{setting}: {len(long)} of {len(lengths)} prompts are longer than rollout.max_prompt_tokens={limit} "
-            f"(the longest has {max(lengths)} tokens; e.g. {shown}); raise rollout.max_prompt_tokens to "
+            f"{setting}: {len(long)} of {len(lengths)} prompts are longer than data.max_prompt_tokens={limit} "
+            f"(the longest has {max(lengths)} tokens; e.g. {shown}); raise data.max_prompt_tokens to "
             f'{max(lengths)}, or set data.long_prompts = "drop" to leave them out'
         ]
     if not keep:
         return [], [
-            f"{setting}: every prompt is longer than rollout.max_prompt_tokens={limit} (the shortest has "
-            f"{min(lengths)} tokens); raise rollout.max_prompt_tokens"
+            f"{setting}: every prompt is longer than data.max_prompt_tokens={limit} (the shortest has "
+            f"{min(lengths)} tokens); raise data.max_prompt_tokens"
         ]
     return keep, []
 

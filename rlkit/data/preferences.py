@@ -8,7 +8,7 @@ special tokens and ends with the tokenizer's end-of-text token, as a sampled com
 
 :func:`load_preferences` reads the rows through the RL trainer's loaders (rlkit.data.files), then reports every
 problem at once in one ConfigError (missing columns, empty or malformed values, prompts and completions over
-``max_prompt_tokens`` / ``max_completion_tokens``), each naming the rows and the fix.
+``data.max_prompt_tokens`` / ``data.max_completion_tokens``), each naming the rows and the fix.
 """
 
 from __future__ import annotations
@@ -35,10 +35,16 @@ EXAMPLES = 3
 
 
 def load_preferences(
-    config: PreferenceConfig, tokenizer: Any, *, pairs: PromptInput | None = None, base_dir: str | Path | None = None
+    config: PreferenceConfig,
+    tokenizer: Any,
+    *,
+    pairs: PromptInput | None = None,
+    base_dir: str | Path | None = None,
+    split: str = "train",
 ) -> tuple[PromptSource, str]:
-    """The checked, tokenized examples of ``config.train_files``, of ``pairs`` (a ``datasets.Dataset`` or a list
-    of dicts; it replaces the files), or with model="tiny" and neither, of the shipped addition set; and a summary.
+    """The checked, tokenized examples of ``config.data.train_files``, of ``pairs`` (a ``datasets.Dataset`` or a
+    list of dicts; it replaces the files), or with model="tiny" and neither, of the shipped addition set; and a
+    summary. ``split="val"``: the held-out examples of ``config.data.val_files`` (or ``pairs``) instead.
 
     Each item of the returned source (shuffled per epoch by ``config.seed``) holds ``prompt`` (the text),
     ``prompt_ids``, ``completions`` (texts: [chosen, rejected] for DPO, [completion] for KTO),
@@ -48,7 +54,7 @@ def load_preferences(
         ConfigError: every problem of the data at once (the lengths of the rows whose values are fine are
             checked beside the rows that are not), each naming the column or setting and the fix.
     """
-    rows, columns, where, problems = _read(config, pairs, base_dir)
+    rows, columns, where, problems = _read(config, pairs, base_dir, split)
     if not rows:
         raise ConfigError(problems)
     value_problems, fine = _value_problems(rows, columns, config.algorithm, tokenizer, where)
@@ -61,8 +67,9 @@ def load_preferences(
     completion_lengths = [len(ids) for item in items for ids in item["completion_ids"]]
     labels = [item["label"] for item in items if "label" in item]
     summary = (
-        f"{config.algorithm} examples: {len(items)} from {where} (longest prompt {max(prompt_lengths)} tokens, "
-        f"longest completion {max(completion_lengths)} tokens with the end-of-text token"
+        f"{config.algorithm} {'held-out ' if split == 'val' else ''}examples: {len(items)} from {where} "
+        f"(longest prompt {max(prompt_lengths)} tokens, longest completion {max(completion_lengths)} tokens with the "
+        "end-of-text token"
         + (f"; {sum(labels)} desirable, {len(labels) - sum(labels)} undesirable" if labels else "")
         + ")"
     )
@@ -70,31 +77,36 @@ def load_preferences(
 
 
 def _read(
-    config: PreferenceConfig, pairs: PromptInput | None, base_dir: str | Path | None
+    config: PreferenceConfig, pairs: PromptInput | None, base_dir: str | Path | None, split: str
 ) -> tuple[list[dict[str, Any]], list[str], str, list[str]]:
-    """(rows, columns, where they came from, problems) of ``pairs``, the files, or the shipped set."""
+    """(rows, columns, where they came from, problems) of ``pairs``, the split's files, or the shipped set."""
     wanted = ", ".join(COLUMNS[config.algorithm])
     if pairs is not None:
+        name = "pairs" if split == "train" else "val_pairs"
         listed = isinstance(pairs, Sequence) and not isinstance(pairs, str | bytes)
         if not (hasattr(pairs, "column_names") or (listed and pairs and all(isinstance(r, dict) for r in pairs))):
-            return [], [], "pairs", [
-                f"pairs: got {type(pairs).__name__}{' holding non-dicts or nothing' if listed else ''}; give a "
-                f"datasets.Dataset or a non-empty list of dicts with the columns {wanted} (files: set train_files)"
+            return [], [], name, [
+                f"{name}: got {type(pairs).__name__}{' holding non-dicts or nothing' if listed else ''}; give a "
+                f"datasets.Dataset or a non-empty list of dicts with the columns {wanted} (files: data.{split}_files)"
             ]
         rows, columns, problems = rows_from_python(pairs, "prompt")  # a list's rows must have the same keys
-        return rows, columns, "pairs", [p.replace("prompts", "pairs") for p in problems]
-    if config.train_files:
-        rows, columns, problems = read_files(config.train_files, Path(base_dir) if base_dir else None, "train_files")
+        return rows, columns, name, [p.replace("prompts", name) for p in problems]
+    files = config.data.train_files if split == "train" else config.data.val_files
+    setting = f"data.{split}_files"
+    if files:
+        rows, columns, problems = read_files(files, Path(base_dir) if base_dir else None, setting)
         if not rows and not problems:
-            problems = ["train_files: the files hold no rows; give files with at least one example"]
-        return rows, columns, f"train_files ({', '.join(config.train_files)})", problems
+            problems = [f"{setting}: the files hold no rows; give files with at least one example"]
+        return rows, columns, f"{setting} ({', '.join(files)})", problems
+    if split == "val":
+        return [], [], "", [f"{setting} is empty: name the held-out example files (or pass val_pairs in Python)"]
     if config.model == "tiny":
         shipped = str(SHIPPED_DIR / f"{config.algorithm}.parquet")
         rows, columns, problems = read_files([shipped], None, "the shipped set")
         return rows, columns, f"the shipped set ({shipped})", problems
     return [], [], "", [
-        f"no examples: set train_files or pass PreferenceTrainer(pairs=...) (a datasets.Dataset or a list of dicts "
-        f'with the columns {wanted}); only model="tiny" has a shipped set'
+        f"no examples: set data.train_files or pass PreferenceTrainer(pairs=...) (a datasets.Dataset or a list of "
+        f'dicts with the columns {wanted}); only model="tiny" has a shipped set'
     ]
 
 
@@ -200,8 +212,8 @@ def _length_problems(
         for name, text, ids in zip(names, item["completions"], item["completion_ids"], strict=True)
     ]
     problems = []
-    for what, found, limit in (("prompt", prompts, config.max_prompt_tokens),
-                               ("completion", completions, config.max_completion_tokens)):  # fmt: skip
+    for what, found, limit in (("prompt", prompts, config.data.max_prompt_tokens),
+                               ("completion", completions, config.data.max_completion_tokens)):  # fmt: skip
         long = [f for f in found if len(f[3]) > limit]
         if not long:
             continue
@@ -209,7 +221,8 @@ def _length_problems(
         shown = "; ".join(f"row {row} {name}({len(ids)} tokens): {text[:60]!r}" for row, name, text, ids in long[:3])
         eos = ", with the end-of-text token" if what == "completion" else ""
         problems.append(
-            f"{where}: {len(long)} of {len(found)} {what}s are longer than max_{what}_tokens={limit} (the longest has "
-            f"{longest} tokens{eos}; e.g. {shown}); raise max_{what}_tokens to {longest}, or shorten or remove them"
+            f"{where}: {len(long)} of {len(found)} {what}s are longer than data.max_{what}_tokens={limit} (the longest "
+            f"has {longest} tokens{eos}; e.g. {shown}); raise data.max_{what}_tokens to {longest}, or shorten or "
+            "remove them"
         )
     return problems

@@ -1,16 +1,22 @@
-"""Reward functions: plain callables ``fn(prompts, completions, **fields) -> list[float]``, weighted."""
+"""Reward functions: plain callables ``fn(prompts, completions, **fields) -> list[float | None]``, weighted."""
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 import numbers
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-RewardFn = Callable[..., list[float]]
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., Sequence[float | None]]
 
 
 class RewardError(ValueError):
@@ -60,35 +66,50 @@ def compute_rewards(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Call every reward function once on the whole batch.
 
+    A function may return None for a sample it has no opinion on (a term that applies to some rows only): that
+    term is left out of the sample's weighted sum and its value is NaN in ``by_name``. The other terms keep their
+    weights (not renormalised, as TRL's nansum); a sample that no term scored gets 0, with a warning.
+
     Args:
         scored: terms already computed elsewhere, by name: ([B] values, weight), e.g. a reward model
             on the workers (whose failures are not the reward function's to report).
     Returns:
-        total: [B] float32, the weighted sum of the terms.
-        by_name: each term's [B] float32 values.
+        total: [B] float32, the weighted sum of the terms that scored each sample.
+        by_name: each term's [B] float32 values (NaN where it returned None).
     Raises:
         RewardError: a function raised, returned the wrong length, a non-number or NaN/inf.
     """
     by_name = {t.name: _call(t, prompts, completions, fields) for t in terms}
-    total = torch.zeros(len(completions))
-    for t in terms:
-        total += t.weight * by_name[t.name]
+    weighted = [(by_name[t.name], t.weight) for t in terms]
     for name, (values, weight) in (scored or {}).items():
         by_name[name] = values.float()
-        total += weight * by_name[name]
+        weighted.append((by_name[name], weight))
+    total = torch.zeros(len(completions))
+    for values, weight in weighted:
+        total += weight * values.nan_to_num(0.0)
+    unscored = [i for i in range(len(completions)) if weighted and all(v[i].isnan() for v, _ in weighted)]
+    if unscored:
+        i = unscored[0]
+        logger.warning(
+            "%d sample(s) got None from every reward function and count as reward 0, e.g. sample %d (prompt %r, "
+            "completion %r): make at least one function score every sample",
+            len(unscored), i, prompts[i][:80], completions[i][:80],
+        )  # fmt: skip
     return total, by_name
 
 
 def _call(
     term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
 ) -> torch.Tensor:
+    """[B] float32 values of one term (NaN where it returned None); called once, never again to find a sample."""
     try:
         values = term.fn(prompts, completions, **fields)
     except RewardError:
         raise
     except Exception as exc:
-        where = _failing_sample(term, prompts, completions, fields)
-        raise RewardError(f"reward function {term.name!r} raised {type(exc).__name__}: {exc}{where}") from exc
+        raise RewardError(
+            f"reward function {term.name!r} raised {type(exc).__name__}: {exc}{_raised_at(term, exc)}"
+        ) from exc
     try:
         values = list(values)
     except TypeError:
@@ -100,21 +121,23 @@ def _call(
             f"reward function {term.name!r} returned {len(values)} values for {len(completions)} completions"
         )
     for i, v in enumerate(values):
-        if not isinstance(v, numbers.Real) or not math.isfinite(v):
+        if v is not None and (not isinstance(v, numbers.Real) or not math.isfinite(v)):
             raise RewardError(
                 f"reward function {term.name!r} returned {v!r} for sample {i} "
-                f"(prompt {prompts[i]!r}, completion {completions[i]!r}): expected a finite number"
+                f"(prompt {prompts[i]!r}, completion {completions[i]!r}): expected a finite number (or None)"
             )
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
 
-def _failing_sample(
-    term: WeightedReward, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
-) -> str:
-    """Re-run ``term`` one sample at a time to name the first sample it raises on (only after it failed)."""
-    for i in range(len(completions)):
-        try:
-            term.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
-        except Exception:  # noqa: BLE001 - any failure names the sample
-            return f" on sample {i} (prompt {prompts[i]!r}, completion {completions[i]!r})"
-    return " (each sample alone scores fine: the failure depends on the whole batch)"
+def _raised_at(term: WeightedReward, exc: Exception) -> str:
+    """Where ``exc`` was raised: the innermost line of the function's own file, else the innermost line."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is the call in _call
+    if not frames:
+        return ""
+    try:
+        own = inspect.getsourcefile(term.fn)
+    except TypeError:
+        own = None
+    frame = next((f for f in reversed(frames) if own and f.filename == own), frames[-1])
+    line = f": {frame.line}" if frame.line else ""
+    return f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name}{line})"

@@ -93,7 +93,7 @@ def load_run_data(
                         "yet; leave data.val_files empty (and val_prompts unset)")  # fmt: skip
     elif val_prompts is not None or config.data.val_files:
         val, val_report, val_problems = collect_prompts(
-            config.data, tokenizer, config.seed, max_prompt_tokens=config.rollout.max_prompt_tokens,
+            config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
             base_dir=base_dir, split="val", prompts=val_prompts,
         )
         problems += val_problems
@@ -151,7 +151,7 @@ def _train_source(
             "has a bundled task"
         ]
     source, report, problems = collect_prompts(
-        config.data, tokenizer, config.seed, max_prompt_tokens=config.rollout.max_prompt_tokens,
+        config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
         base_dir=base_dir, split="train", prompts=prompts, tools=tools,
     )
     return source, report, report.fields if report is not None else None, problems

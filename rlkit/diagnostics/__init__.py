@@ -34,6 +34,7 @@ from rlkit.diagnostics.memory import (
     visible_gpu_memory_gib,
 )
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
+from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
 from rlkit.diagnostics.preflight import estimate_for, keeps_unsharded, memory_setting, preflight
 from rlkit.diagnostics.scaling import memory_scaling
 from rlkit.diagnostics.sharding import Sharding, sharding
@@ -48,6 +49,7 @@ __all__ = [
     "MemoryMark",
     "MemorySetting",
     "MemoryTracker",
+    "MismatchReport",
     "ModelShape",
     "RankReport",
     "Sharding",
@@ -66,6 +68,7 @@ __all__ = [
     "memory_scaling",
     "memory_setting",
     "memory_table",
+    "mismatch_report",
     "preflight",
     "sharding",
 ]

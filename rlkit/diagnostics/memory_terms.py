@@ -134,7 +134,7 @@ class MemorySetting:
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     prompt_tokens: int = 64
-    """[rollout.max_prompt_tokens] Every row is taken at the longest prompt and response (the worst case)."""
+    """[data.max_prompt_tokens] Every row is taken at the longest prompt and response (the worst case)."""
     response_tokens: int = 16
     """[rollout.max_new_tokens]"""
     samples_per_step: int = 128

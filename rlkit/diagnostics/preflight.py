@@ -37,7 +37,7 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         fsdp_version=fsdp.version,
         cpu_offload=fsdp.cpu_offload,
         activation_checkpointing=fsdp.activation_checkpointing,
-        prompt_tokens=rollout.max_prompt_tokens,
+        prompt_tokens=config.data.max_prompt_tokens,
         response_tokens=rollout.max_new_tokens,
         samples_per_step=config.samples_per_step,
         mini_batches=config.mini_batches,

@@ -22,13 +22,15 @@ def build_engine(
     eos_token_id: int,
     pad_token_id: int,
     max_num_seqs: int,
+    max_prompt_tokens: int,
     seed: int,
     trust_remote_code: bool = False,
 ) -> RolloutEngine:
     """An "hf" or "vllm" engine holding the weights in ``model_dir`` on ``device`` in ``dtype``; with
     ``config.tensor_parallel_size`` > 1 (a collective: every rank calls it), a vLLM engine per group of ranks.
 
-    ``max_num_seqs`` is the most completions one generate call of a rank asks for (vLLM batches up to it).
+    ``max_num_seqs`` is the most completions one generate call of a rank asks for (vLLM batches up to it);
+    ``max_prompt_tokens`` the longest prompt (``data.max_prompt_tokens``: vLLM sizes its context for it).
     """
     if config.engine == "vllm":
         from rlkit.rollout.tp_group import TPGroupEngine
@@ -44,7 +46,7 @@ def build_engine(
                 eos_token_id=eos_token_id,
                 pad_token_id=pad_token_id,
                 max_num_seqs=max_num_seqs * tp,  # the whole group's completions in one call
-                max_model_len=_max_model_len(config, model_dir),
+                max_model_len=_max_model_len(max_prompt_tokens + config.max_new_tokens, model_dir),
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 kv_cache_gb=config.kv_cache_gb,
                 seed=seed,
@@ -60,9 +62,8 @@ def build_engine(
     return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
-def _max_model_len(config: RolloutConfig, model_dir: Path) -> int:
-    """Prompt plus completion budget, capped by the model's positions (the KV cache is sized for it)."""
+def _max_model_len(wanted: int, model_dir: Path) -> int:
+    """The prompt plus completion budget ``wanted``, capped by the model's positions (the KV cache is sized for it)."""
     with open(model_dir / "config.json") as f:
         positions = json.load(f).get("max_position_embeddings")
-    wanted = config.max_prompt_tokens + config.max_new_tokens
     return min(wanted, positions) if positions else wanted

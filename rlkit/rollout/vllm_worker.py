@@ -94,6 +94,28 @@ class WorkerExtension:
             torch.cuda.synchronize()  # done reading before the sender overwrites or frees its buffers
         return mode
 
+    def rlkit_tensor_sums(self, shapes: dict[str, list[int]]) -> tuple[dict[str, tuple], int]:
+        """Float64 (sum, sum of squares, checkpoint tensors) of every engine parameter whose values are readable, by
+        name, and how many are not (vLLM's CPU backend repacks linear weights into empty parameters). A fused
+        parameter sums its checkpoint tensors (``packed_modules_mapping``); rows past theirs (padding) are left out.
+        ``shapes``: the trainer's tensors' shapes by name. Tensor parallelism: nothing (each worker holds shards)."""
+        model = self.model_runner.get_model()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            return {}, -1
+        packed = getattr(model, "packed_modules_mapping", {}) or {}
+        sums, unreadable = {}, 0
+        for name, param in model.named_parameters():
+            module, _, attr = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            parts = [f"{parent}.{part}.{attr}" for part in packed.get(leaf, [])] or [name]
+            rows = sum(shapes[part][0] for part in parts if shapes.get(part)) if all(p in shapes for p in parts) else 0
+            if param.numel() == 0 or rows == 0 or param.shape[0] < rows:
+                unreadable += 1
+                continue
+            values = param.detach()[:rows].double()
+            sums[name] = (float(values.sum()), float(values.square().sum()), parts)
+        return sums, unreadable
+
     def _rlkit_checked_plan(self) -> Plan | None:
         """A stacking plan whose copies reproduce exactly what the loader just put in every parameter."""
         model = self.model_runner.get_model()

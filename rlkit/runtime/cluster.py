@@ -25,6 +25,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import pandas as pd
@@ -32,7 +33,7 @@ import pandas as pd
 from rlkit.runtime import transport
 from rlkit.runtime.core import CANCELLED
 from rlkit.runtime.errors import RELAUNCH_HINT, ClusterBroken, RankFailure, WorkerDied, WorkerHung, remote_error
-from rlkit.runtime.logs import OutputForwarder
+from rlkit.runtime.logs import LogFolder, OutputForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class Backend(Protocol):
     device: str
     output: OutputForwarder
     address: Any
+
+    @property
+    def log_dir(self) -> Path | None: ...
 
     def encode(self, fn: Callable[..., Any], per_rank: list[tuple[tuple, dict[str, Any]]]) -> list[Any]: ...
     def send(self, call_id: int, payloads: list[Any]) -> None: ...
@@ -107,7 +111,9 @@ class Cluster:
     """
 
     def __init__(self, make_backend: Callable[[str], Backend], *, hang_timeout: float,
-                 call_timeout: float | None) -> None:
+                 call_timeout: float | None, verbose: bool = False, owns_log_dir: bool = False) -> None:
+        """``verbose``: forward every worker line (else vLLM's own log lines stay in the rank logs);
+        ``owns_log_dir``: the log folder is this cluster's to remove at a clean shutdown."""
         self.id = secrets.token_hex(6)
         self.hang_timeout = hang_timeout
         self.call_timeout = call_timeout
@@ -117,8 +123,11 @@ class Cluster:
         self._broken: str | None = None
         self._closed = False
         self._backend = make_backend(self.id)
+        self._backend.output.verbose = verbose
+        log_dir = self._backend.log_dir
+        self._logs = None if log_dir is None else LogFolder(Path(log_dir), owned=owns_log_dir)
         # Stops the workers if this object is garbage-collected without shutdown().
-        self._finalizer = weakref.finalize(self, self._backend.stop)
+        self._finalizer = weakref.finalize(self, _stop, self._backend, self._logs)
 
     world_size = property(lambda self: self._backend.world_size)
     device = property(lambda self: self._backend.device)
@@ -187,7 +196,11 @@ class Cluster:
         finally:
             output.release(call.id if finished else None)
         if call.failures:
-            raise remote_error(call.failures, call.name)
+            self._failed()
+            error = remote_error(call.failures, call.name)
+            if self._logs is not None:
+                error.add_note(f"Worker logs: {self._logs.path}")
+            raise error
         return [call.results[rank] for rank in range(self.world_size)]
 
     def _collect(self, call: _Call) -> None:
@@ -205,6 +218,7 @@ class Cluster:
             raise ClusterBroken(f"the cluster was shut down during the call: {RELAUNCH_HINT}")
         dead = self._backend.find_dead(f"the call {call.name}")
         if dead is not None:
+            self._failed()
             self._break(f"rank {dead.rank} died")
             raise dead
 
@@ -219,6 +233,7 @@ class Cluster:
                              f"{rank} {how} (blocked in a collective that rank never entered?)")
 
     def _hung(self, call: _Call, reason: str) -> None:
+        self._failed()
         ranks = call.running(self.world_size)
         logger.warning("ranks %s of call %s: %s; collecting their stacks", ranks, call.name, reason)
         stacks = self._backend.stacks(ranks, STACKS_WAIT_S)
@@ -283,7 +298,13 @@ class Cluster:
         if self._closed:
             raise ClusterBroken(f"cluster has been shut down: {RELAUNCH_HINT}")
 
+    def _failed(self) -> None:
+        """Something went wrong on the workers: their logs are kept at shutdown."""
+        if self._logs is not None:
+            self._logs.failed = True
+
     def _break(self, reason: str) -> None:
+        self._failed()
         self._broken = reason
         logger.error("cluster %s is broken (%s); shutting its workers down", self.id, reason)
         self.shutdown()
@@ -292,7 +313,8 @@ class Cluster:
 
     def shutdown(self) -> None:
         """Stop every worker (ask, then SIGTERM, then SIGKILL; Ray: kill the actors) and free
-        what the cluster holds. Idempotent."""
+        what the cluster holds; a log folder ``rlkit.launch`` made is removed unless something
+        failed (then it is kept, and logged). Idempotent."""
         self._closed = True
         self._finalizer()
 
@@ -307,6 +329,15 @@ class Cluster:
         return (f"Cluster(id={self.id!r}, backend={type(self._backend).__name__}, "
                 f"world_size={self.world_size}, device={self.device!r}, {state}, "
                 f"log_dir='{self.log_dir}')")
+
+
+def _stop(backend: Backend, logs: LogFolder | None) -> None:
+    """Stop the backend's workers, then remove or keep the log folder."""
+    try:
+        backend.stop()
+    finally:
+        if logs is not None:
+            logs.close()
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -30,7 +30,8 @@ _live_clusters: weakref.WeakSet[Cluster] = weakref.WeakSet()
 def launch(world_size: int = 2, *, backend: str = "local", device: str = "auto",
            address: str | None = None, timeout: float | None = None,
            hang_timeout: float = DEFAULT_HANG_TIMEOUT_S, call_timeout: float | None = None,
-           log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> Cluster:
+           log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+           verbose: bool = False) -> Cluster:
     """Start ``world_size`` workers and return the ``Cluster``. Earlier clusters of this process
     are shut down first.
 
@@ -46,11 +47,14 @@ def launch(world_size: int = 2, *, backend: str = "local", device: str = "auto",
     the call is declared hung (default 120; raise it for calls where one rank does long extra
     work, like saving on rank 0). call_timeout: seconds any one call may take (default: no
     limit). Both are attributes of the cluster that can be changed later.
-    log_dir: where ``rank<N>.log`` files go (default: a fresh temporary directory).
+    log_dir: where ``rank<N>.log`` files go (default: a fresh temporary directory, removed at a
+    clean shutdown and kept, named in the log, when a call failed or a rank died or hung).
     env: extra environment variables for the workers (e.g. ``{"OMP_NUM_THREADS": "4"}``; the
     default gives each local rank an equal share of the cores). The local backend sets the
     torch.distributed variables itself, and GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to the loopback
     interface (nothing of it listens beyond loopback); ``env`` cannot change those.
+    verbose: forward every line the workers print; False (default) keeps vLLM's own log lines
+    (its start-up banner, the weight loader's per-sync messages) in the rank logs only.
     """
     _check(world_size, backend, device, address, timeout, hang_timeout, call_timeout, env)
     _shutdown_all()
@@ -70,7 +74,8 @@ def launch(world_size: int = 2, *, backend: str = "local", device: str = "auto",
         return LocalBackend(world_size, cluster_id=cluster_id, device=device,
                             timeout=start_timeout, log_dir=logs, env=env)
 
-    cluster = Cluster(make_backend, hang_timeout=hang_timeout, call_timeout=call_timeout)
+    cluster = Cluster(make_backend, hang_timeout=hang_timeout, call_timeout=call_timeout, verbose=verbose,
+                      owns_log_dir=log_dir is None)
     _live_clusters.add(cluster)
     logger.info("launched %r", cluster)
     return cluster

@@ -39,8 +39,11 @@ class LocalBackend:
         self._early: list[Outcome] = []  # results that arrived while waiting for stacks
         self._listener = ControlListener()
         self.address: tuple[str, int] = self._listener.address
-        # Only this user can enter it (mode 0700): the process group's rendezvous file.
-        self._private_dir = Path(tempfile.mkdtemp(prefix=f"rlkit-{cluster_id}-"))
+        # Only this user can enter it (mode 0700): the process group's rendezvous file. Its owner file names
+        # this process, so that a later launch removes it if this process was killed (no shutdown ran).
+        remove_orphaned_dirs()
+        self._private_dir = Path(tempfile.mkdtemp(prefix=f"rlkit-{cluster_id}-{PRIVATE}"))
+        (self._private_dir / OWNER).write_text(str(os.getpid()))
         try:
             self.device = local.start(
                 self._workers, self._listener, world_size=world_size, device=device,
@@ -144,6 +147,34 @@ class LocalBackend:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+PRIVATE = "private-"
+OWNER = "owner.pid"
+
+
+def remove_orphaned_dirs() -> None:
+    """Remove the private directories (rendezvous files) of local clusters whose controller process is gone
+    (killed: it could not remove its own), among this user's in the temporary directory."""
+    for path in Path(tempfile.gettempdir()).glob(f"rlkit-*-{PRIVATE}*"):
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            pid = int((path / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _decode(worker: local.Worker, ok: bool, data: Any) -> Any:

@@ -1,6 +1,12 @@
 """Worker output: each rank's stdout/stderr go to ``<log_dir>/rank<N>.log`` and, with a
 ``[rank N] `` prefix and a rate limit, to the controller's ``sys.stdout``. The lines come from the
 worker's pipe, read by a thread (local backend), or are handed over by the backend (``feed``, Ray).
+Unless ``verbose``, vLLM's own log lines below ERROR (its start-up banner and configuration, the weight
+loader's per-sync messages), progress bars, rlkit's info notes and libraries' warnings (multiprocessing's
+resource tracker at exit among them) stay in the log file only.
+
+:class:`LogFolder` is a cluster's folder of those files: one that ``rlkit.launch`` made for itself is
+removed at a clean shutdown and kept (and named) when something failed.
 
 During a call the lines are queued and written by the caller's thread (``hold``/``flush``/
 ``release``), so notebook front-ends, which attribute output by thread, attach them to the running
@@ -11,7 +17,9 @@ has been forwarded before the call returns.
 
 from __future__ import annotations
 
+import logging
 import re
+import shutil
 import sys
 import threading
 import time
@@ -19,8 +27,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+logger = logging.getLogger(__name__)
+
 DONE_MARKER = "\x00rlkit:done:"
 _DONE_RE = re.compile(re.escape(DONE_MARKER) + r"(\d+)\n?")
+QUIET_LINES = re.compile(
+    r"^(\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \["  # vLLM's log format
+    r"|^(DEBUG|INFO) rlkit[\w.]*: "  # rlkit's own progress notes on the worker (warnings still come through)
+    r"|^\[?[IW]\d{4} \d\d:\d\d:\d\d\.\d+"  # torch's C++ and glog-style info and warnings
+    r"|^\S*/(site-packages|lib/python3\.\d+)/\S+\.py:\d+: \w*Warning: "  # a library's Python warning
+    r"|^\s*$"
+)
+"""Worker lines kept out of the cell or terminal (only in the rank's log) unless the cluster is verbose."""
+
+
+@dataclass
+class LogFolder:
+    """Where a cluster's ``rank<N>.log`` files go. ``owned``: ``rlkit.launch`` made it (a temporary folder), so
+    :meth:`close` removes it unless ``failed`` was set (a call failed, a rank died or hung): then it is kept."""
+
+    path: Path
+    owned: bool
+    failed: bool = False
+
+    def close(self) -> None:
+        if not self.owned or not self.path.exists():
+            return
+        if self.failed:
+            logger.warning("worker logs kept in %s (something failed)", self.path)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 @dataclass
@@ -35,14 +71,18 @@ class _Stream:
     window_start: float = field(default_factory=time.monotonic)
     forwarded: int = 0
     dropped: int = 0
+    quieted: bool = False
+    """The last line was kept quiet: an indented line after it (a warning's source line) is too."""
 
 
 class OutputForwarder:
     """Reads each worker's output pipe in a thread, logs every line and forwards at most
     ``lines_per_s`` lines per second per rank (dropped lines are counted and reported)."""
 
-    def __init__(self, lines_per_s: int = 50) -> None:
+    def __init__(self, lines_per_s: int = 50, verbose: bool = False) -> None:
         self.lines_per_s = lines_per_s
+        self.verbose = verbose
+        """Forward every line; False keeps the QUIET_LINES in the log file only."""
         self._cond = threading.Condition()
         self._streams: dict[int, _Stream] = {}
         self._held = False
@@ -126,11 +166,19 @@ class OutputForwarder:
             log.write(line)
             log.flush()
         with self._cond:
-            if line:
+            if line and (self.verbose or not self._quiet(stream, line)):
                 self._forward(stream, line)
             if done:
                 stream.done_call = int(done[-1])
                 self._cond.notify_all()
+
+    @staticmethod
+    def _quiet(stream: _Stream, line: str) -> bool:
+        """Whether ``line`` stays in the log only: one of QUIET_LINES, a progress bar (redrawn with carriage
+        returns), or the indented line after one of those."""
+        quiet = "\r" in line or bool(QUIET_LINES.match(line))
+        stream.quieted = quiet or (stream.quieted and line.startswith("  "))
+        return stream.quieted
 
     def _forward(self, stream: _Stream, line: str) -> None:
         now = time.monotonic()

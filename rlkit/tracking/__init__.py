@@ -22,11 +22,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["Tracker", "build_trackers", "flatten_config", "numeric_metrics", "plain_table"]
 
 
-def build_trackers(names: Sequence[str], run_dir: str | Path, config: Mapping[str, Any]) -> list[Tracker]:
+def build_trackers(
+    names: Sequence[str], run_dir: str | Path, config: Mapping[str, Any], *, first_step: int = 1
+) -> list[Tracker]:
     """One started tracker per name, writing under ``run_dir``, each given ``config`` as its hyperparameters.
 
     Layout: ``run_dir/tensorboard`` (event files), ``run_dir/wandb`` (W&B's run folders),
     ``run_dir/mlruns`` (MLflow's file store, unless ``MLFLOW_TRACKING_URI`` names another).
+    ``first_step`` > 1 continues the folder's runs (a resumed training): TensorBoard hides what the earlier
+    process logged from that step on (it is logged again), MLflow logs into the folder's run; W&B starts a new
+    run of the same name (its steps continue).
 
     Raises:
         ConfigError: unknown names, or trackers whose packages are not installed (with the pip line).
@@ -39,7 +44,7 @@ def build_trackers(names: Sequence[str], run_dir: str | Path, config: Mapping[st
     trackers: list[Tracker] = []
     try:
         for name in names:
-            trackers.append(_start(name, root))
+            trackers.append(_start(name, root, first_step))
             trackers[-1].log_config(config)
     except BaseException:
         for tracker in trackers:
@@ -49,15 +54,16 @@ def build_trackers(names: Sequence[str], run_dir: str | Path, config: Mapping[st
     return trackers
 
 
-def _start(name: str, root: Path) -> Tracker:
+def _start(name: str, root: Path, first_step: int) -> Tracker:
+    resumed = first_step > 1
     if name == "tensorboard":
         from rlkit.tracking.tensorboard_tracker import TensorBoardTracker
 
-        return TensorBoardTracker(root / "tensorboard")
+        return TensorBoardTracker(root / "tensorboard", purge_step=first_step if resumed else None)
     if name == "wandb":
         from rlkit.tracking.wandb_tracker import WandbTracker
 
         return WandbTracker(root, root.name)
     from rlkit.tracking.mlflow_tracker import MlflowTracker
 
-    return MlflowTracker(root, root.name)
+    return MlflowTracker(root, root.name, resume=resumed)

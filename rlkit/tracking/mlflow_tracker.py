@@ -35,7 +35,8 @@ class MlflowTracker:
 
     name = "mlflow"
 
-    def __init__(self, run_dir: Path, run_name: str):
+    def __init__(self, run_dir: Path, run_name: str, resume: bool = False):
+        """``resume``: log into the experiment's latest run named ``run_name`` (a resumed training), if there is one."""
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
@@ -46,7 +47,14 @@ class MlflowTracker:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rlkit")
         experiment = self._client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(name)
-        self.run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+        earlier = self._client.search_runs(
+            [experiment_id], filter_string=f"attributes.run_name = '{run_name}'", order_by=["start_time DESC"]
+        ) if resume else []  # fmt: skip
+        if earlier:
+            self.run_id = earlier[0].info.run_id
+            self._client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param

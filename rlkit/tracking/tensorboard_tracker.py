@@ -17,11 +17,13 @@ class TensorBoardTracker:
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
+        """``purge_step``: a resumed run's first step; TensorBoard hides the events of that step and later that an
+        earlier process wrote into ``log_dir`` (the same run continues: one run, steps continuing)."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams

@@ -25,7 +25,7 @@ def tokenize_prompts(
     bad = [f"prompt {i} ({n} tokens): {texts[i][:60]!r}" for i, n in enumerate(lengths) if n > limit or n == 0]
     if bad:
         raise ValueError(
-            f"{len(bad)} prompt(s) are empty or longer than rollout.max_prompt_tokens={limit}; "
+            f"{len(bad)} prompt(s) are empty or longer than data.max_prompt_tokens={limit}; "
             "shorten them or raise the limit:\n" + "\n".join(f"  - {b}" for b in bad)
         )
     enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens)
@@ -80,8 +80,9 @@ def _completions(tokenizer: Any, response_ids: torch.Tensor, trajectories: list[
     return tokenizer.batch_decode(last, skip_special_tokens=True)
 
 
-def policy_rows(shard: Batch, drop_truncated: bool) -> PolicyRows:
-    """The rows of the policy update; with ``drop_truncated`` the truncated completions leave the loss (DAPO)."""
+def policy_rows(shard: Batch, drop_truncated: bool, engine_logprobs: bool = True) -> PolicyRows:
+    """The rows of the policy update; with ``drop_truncated`` the truncated completions leave the loss (DAPO);
+    ``engine_logprobs``: the engine's log-probs go along (none were asked for when False)."""
     assert shard.advantages is not None
     loss_mask = mask_truncated(shard.response_mask, shard.finish_reason) if drop_truncated else shard.response_mask
     return PolicyRows(
@@ -91,6 +92,7 @@ def policy_rows(shard: Batch, drop_truncated: bool) -> PolicyRows:
         advantages=shard.advantages,
         old_logprobs=shard.old_logprobs,
         ref_logprobs=shard.ref_logprobs,
+        rollout_logprobs=shard.rollout_logprobs if engine_logprobs else None,
     )
 
 

@@ -7,8 +7,12 @@ from that role group or from the rows the steps append.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import shutil
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +23,7 @@ import pandas as pd
 from rlkit import diagnostics
 from rlkit.runtime import Cluster, RoleGroup
 from rlkit.tracking import Tracker, build_trackers
+from rlkit.trainer.outputs import HISTORY, HistoryFile, checkpoint_folder, output_folder, write_config, write_samples
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.phases import PhaseReport
 
@@ -39,20 +44,24 @@ class PolicyTrainerBase(ABC):
 
     def _start_run(self, cluster: Cluster, config: Any) -> None:
         self.cluster = cluster
+        self.output_dir = output_folder(config)
+        """The run's folder (history.csv, config.toml, samples/, trackers, checkpoints/), or None: no files."""
+        if self.output_dir is not None and not config.output_dir:  # checkpoints name it: a resume writes there too
+            config = dataclasses.replace(config, output_dir=str(self.output_dir))
         self.config = config
         self.steps_done = 0
-        self.run_dir = Path(config.run_dir) / f"{config.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
-        """Where this run's own files go (tracker files; the CLI's history.csv)."""
-        trackers = getattr(config, "trackers", [])
-        self._trackers: list[Tracker] = build_trackers(trackers, self.run_dir, config.to_dict()) if trackers else []
+        self._history_file = None if self.output_dir is None else HistoryFile(self.output_dir / HISTORY)
+        self._trackers: list[Tracker] | None = None  # started with the first row: a resumed run continues its step
         self._rows: list[dict[str, float]] = []
         self._phase_times: dict[str, float] = {}
         self._worker_times: dict[str, float] = {}
         self._memory: list[dict[str, float]] = []
+        if self.output_dir is not None:
+            write_config(self.output_dir, config)
 
     @property
     def history(self) -> pd.DataFrame:
-        """One row of metrics per completed step."""
+        """One row of metrics per completed step (and one of step 0 with validation.before_training)."""
         return pd.DataFrame(self._rows)
 
     @abstractmethod
@@ -66,29 +75,73 @@ class PolicyTrainerBase(ABC):
     def fit(
         self, steps: int | None = None, *, progress: bool = True, on_step: Callable[[dict], None] | None = None
     ) -> pd.DataFrame:
-        """Run ``steps`` steps (default ``config.steps``) with a progress bar; returns :attr:`history`.
+        """Run up to ``config.steps`` steps in all (after a resume, the ones left), or ``steps`` more; with a
+        progress bar; returns :attr:`history`.
 
-        Validation runs every ``validation.every`` steps when the run has validation prompts, a checkpoint
-        every ``checkpoint.every`` steps; ``on_step(row)`` is called after each step (the CLI prints from it).
+        Validation runs every ``validation.every`` steps when the run has validation data (and once before the first
+        step with ``validation.before_training``), a checkpoint every ``checkpoint.every`` steps and at the
+        ``config.steps``-th; ``on_step(row)`` is called after each step (the CLI prints from it). With an output
+        folder, history.csv is rewritten after every step and the last step's samples are kept in ``samples/``.
         """
         from tqdm.auto import tqdm
 
-        steps = self.config.steps if steps is None else steps
-        if steps < 1:
+        if steps is not None and steps < 1:
             raise ValueError(f"steps={steps}: must be >= 1")
-        bar = tqdm(range(steps), desc="rlkit", disable=not progress)
-        every, folder = self.config.checkpoint.every, self.config.checkpoint.dir
-        val_every = self._validation_every()
-        for _ in bar:
-            row = self.step()
-            if val_every and self.steps_done % val_every == 0:
-                row = {**row, **self.evaluate()}
-            bar.set_postfix({self.progress_metric: f"{row.get(self.progress_metric, float('nan')):.3f}"})
-            if every and self.steps_done % every == 0:
-                self.save(folder)
+        steps = self.config.steps - self.steps_done if steps is None else steps
+        if steps < 1:
+            logger.info("steps_done=%d: config.steps is reached, nothing to run (fit(steps=N) runs N more)",
+                        self.steps_done)  # fmt: skip
+            return self.history
+        val_every = self.config.validation.every if self._can_validate() else 0
+        if self._can_validate() and self.steps_done == 0 and self.config.validation.before_training:
+            row = self._baseline()  # 1. the validation data before any update (step 0)
             if on_step is not None:
                 on_step(row)
+        bar = tqdm(range(steps), desc="rlkit", disable=not progress)
+        every, folder = self.config.checkpoint.every, checkpoint_folder(self.config, self.output_dir)
+        for _ in bar:
+            row = self.step()  # 2. one step, its row in the history (and history.csv)
+            if val_every and self.steps_done % val_every == 0:
+                row = {**row, **self.evaluate()}  # 3. validation, merged into the step's row
+            bar.set_postfix({self.progress_metric: f"{row.get(self.progress_metric, float('nan')):.3f}"})
+            if every and folder and (self.steps_done % every == 0 or self.steps_done == self.config.steps):
+                self.save(folder)  # 4. a checkpoint every N steps, and at the configured last step
+            if on_step is not None:
+                on_step(row)
+        self._keep_samples()
         return self.history
+
+    def _baseline(self) -> dict[str, float]:
+        """The validation pass before training, as the history's row of step 0."""
+        row = {"step": 0, **self.evaluate()}
+        self._append_row(row, None)
+        return row
+
+    def _keep_samples(self) -> None:
+        """Write the last step's samples into ``<output_dir>/samples/`` (if the run has a folder and a step)."""
+        if self.output_dir is not None and self.steps_done:
+            write_samples(self.output_dir, self.steps_done, self._samples())
+
+    def _samples(self) -> pd.DataFrame:
+        """The last step's samples, one row each (completions for RL, examples for DPO/KTO)."""
+        return pd.DataFrame()
+
+    def save_model(self, path: str | os.PathLike) -> Path:
+        """The policy alone as a Hugging Face directory at ``path`` (safetensors, config, tokenizer; no optimizer):
+        ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and vLLM load it as it is. Written under a
+        hidden name and renamed into place, replacing an earlier one, so ``path`` is never half-written."""
+        path = Path(path).absolute()
+        partial = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+        partial.mkdir(parents=True)
+        try:
+            self._policy.call(ActorRole.export, str(partial))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(partial, path)
+        return path
 
     def _warn_past_schedule(self) -> None:
         """Before a step: warn (once) when it is the first past ``config.steps``, which the learning-rate schedule
@@ -100,36 +153,54 @@ class PolicyTrainerBase(ABC):
                 self.config.steps,
             )
 
-    def _validation_every(self) -> int:
-        """Steps between validation passes in :meth:`fit` (0: none)."""
-        return 0
+    def _can_validate(self) -> bool:
+        """Whether the run has validation data (trainers that have it say so)."""
+        return False
 
     def evaluate(self) -> dict[str, float]:
         """A validation pass (trainers with validation prompts define it)."""
         raise NotImplementedError(f"{type(self).__name__} has no validation pass")
 
     def close(self) -> None:
-        """Close the trackers (their files are complete); the trainer keeps working without them."""
-        for tracker in self._trackers:
+        """Close the trackers (their files are complete); the trainer keeps working without them (a later step
+        starts them again, continuing their runs)."""
+        for tracker in self._trackers or []:
             tracker.close()
-        self._trackers = []
+        self._trackers = None
 
     # -- rows and trackers -----------------------------------------------------------------------
 
-    def _append_row(self, row: dict[str, float], samples: Callable[[], pd.DataFrame]) -> None:
-        """Keep ``row`` in the history and send it to the trackers (with ``samples()`` now and then)."""
+    def _append_row(self, row: dict[str, float], samples: Callable[[], pd.DataFrame] | None) -> None:
+        """Keep ``row`` in the history (and history.csv) and send it to the trackers, with ``samples()`` and into
+        ``samples/`` at the first step and every SAMPLES_EVERY-th."""
         self._rows.append(row)
-        for tracker in self._trackers:
+        if self._history_file is not None:
+            self._history_file.update(self._rows)
+        keep = samples is not None and (self.steps_done == 1 or self.steps_done % SAMPLES_EVERY == 0)
+        table = samples() if samples is not None and keep else None
+        if table is not None and self.output_dir is not None:
+            write_samples(self.output_dir, self.steps_done, table)
+        for tracker in self._started_trackers(int(row["step"])):
             tracker.log_metrics(self.steps_done, row)
-            if self.steps_done == 1 or self.steps_done % SAMPLES_EVERY == 0:
-                tracker.log_samples(self.steps_done, samples())
+            if table is not None:
+                tracker.log_samples(self.steps_done, table)
 
     def _add_to_last_row(self, metrics: dict[str, float]) -> None:
         """Merge ``metrics`` (a validation pass) into the last step's row and send them to the trackers."""
         if self._rows:
             self._rows[-1].update(metrics)
-            for tracker in self._trackers:
+            if self._history_file is not None:
+                self._history_file.update(self._rows)
+            for tracker in self._started_trackers(self.steps_done):
                 tracker.log_metrics(self.steps_done, metrics)
+
+    def _started_trackers(self, step: int) -> list[Tracker]:
+        """The run's trackers, started at the first row they get (``step``: a resumed run's continue there)."""
+        if self._trackers is None:
+            names, folder = self.config.trackers, self.output_dir
+            assert folder is not None or not names  # output_folder gives a folder to a run with trackers
+            self._trackers = build_trackers(names, folder, self.config.to_dict(), first_step=step) if folder else []
+        return self._trackers
 
     def _record(self, phase: str, start: float, results: Sequence[PhaseReport]) -> None:
         """Keep the phase's wall time, the slowest rank's inner times, and each rank's memory."""

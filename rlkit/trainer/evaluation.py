@@ -31,7 +31,7 @@ def evaluate_prompts(
     val, ranks = config.validation, policy.cluster.world_size
     items = source.items
     prompt_ids, prompt_mask = tokenize_prompts(
-        tokenizer, [item["prompt"] for item in items], config.rollout.max_prompt_tokens, source.add_special_tokens
+        tokenizer, [item["prompt"] for item in items], config.data.max_prompt_tokens, source.add_special_tokens
     )
     params = SamplingParams(
         n=val.n,

@@ -21,6 +21,7 @@ def step_metrics(
     worker_times: dict[str, float],
     memory: list[dict[str, float]],
     step_seconds: float,
+    gap_limit: float = 0.0,
 ) -> dict[str, float]:
     """Flatten one step into numbers.
 
@@ -28,8 +29,10 @@ def step_metrics(
     controller wall seconds per phase; ``worker_times`` the slowest rank's seconds inside each
     phase (generate, logprobs, reference, update, sync); ``memory`` one dict per rank (MiB).
     ``kl/mean`` is the k3 estimate of KL(policy || reference) per response token at rollout time
-    (0 without a reference), whichever estimator the loss or reward uses. Response lengths count the model's
-    tokens; a multi-turn step adds ``agent/...`` (rlkit.trainer.agentic.trajectory_metrics).
+    (NaN without a reference: not measured), whichever estimator the loss or reward uses. ``gap_limit`` is
+    ``rollout.max_logprob_gap``: ``rollout/logprob_gap/over_limit`` is 1 on the steps whose mean gap exceeded it
+    (the steps that logged the warning), else 0. Response lengths count the model's tokens;
+    a multi-turn step adds ``agent/...`` (rlkit.trainer.agentic.trajectory_metrics).
     """
     lengths = batch.response_lengths.float()
     mask = batch.response_mask
@@ -37,11 +40,11 @@ def step_metrics(
         "step": step,
         "reward/mean": batch.filled("rewards").mean().item(),
         "reward/std": batch.filled("rewards").std().item(),
-        **{f"reward/{name}/mean": v.mean().item() for name, v in batch.reward_terms.items()},
+        **{f"reward/{name}/mean": v.nanmean().item() for name, v in batch.reward_terms.items()},  # None: left out
         "response/length/mean": lengths.mean().item(),
         "response/length/max": lengths.max().item(),
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
-        **_gap_metrics(batch),
+        **_gap_metrics(batch, gap_limit),
         **_algorithm_metrics(batch),
         **trajectory_metrics(batch),
         **update_metrics,
@@ -59,12 +62,14 @@ def memory_columns(memory: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {f"memory/rank{rank}/{kind}_mb": mib for rank, mem in enumerate(memory) for kind, mib in mem.items()}
 
 
-def _gap_metrics(batch: Batch) -> dict[str, float]:
-    """The trainer-vs-engine log-prob gap over the tokens the engine returned log-probs for (NaN if none)."""
+def _gap_metrics(batch: Batch, limit: float) -> dict[str, float]:
+    """The trainer-vs-engine log-prob gap over the tokens the engine returned log-probs for (NaN if none), and
+    whether its mean exceeded ``limit`` (0: never)."""
     mean, gap = batch.logprob_gap_mean(), batch.logprob_gap_tokens()
     checked = batch.engine_checked()
     return {
         "rollout/logprob_gap/mean": math.nan if mean is None else mean,
+        "rollout/logprob_gap/over_limit": float(bool(limit) and mean is not None and mean > limit),
         "rollout/logprob_gap/max": math.nan if mean is None or gap is None else gap.max().item(),
         "rollout/logprob_gap/checked_frac": checked.sum().item() / max(batch.response_mask.sum().item(), 1.0),
     }
@@ -73,7 +78,7 @@ def _gap_metrics(batch: Batch) -> dict[str, float]:
 def _algorithm_metrics(batch: Batch) -> dict[str, float]:
     """KL to the reference, advantage spread and, with a critic, how well its values predict the returns."""
     mask = batch.response_mask
-    kl = 0.0
+    kl = math.nan  # not measured: no reference (kl_coef=0)
     if batch.ref_logprobs is not None and batch.old_logprobs is not None:
         kl = masked_mean(kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), mask).item()
     advantages = batch.filled("advantages")
@@ -97,6 +102,7 @@ def logprob_gap_warning(batch: Batch, limit: float) -> str | None:
         return None
     return (
         f"rollout log-probs differ from the trainer's by {gap:.4f} nats per token on average "
-        f"(rollout.max_logprob_gap={limit}): the rollout engine is not sampling from the trainer's weights; "
-        "check the weight sync (time/worker/sync, engine logs) or a dtype mismatch between engine and actor"
+        f"(rollout.max_logprob_gap={limit}): the engine does not sample the trainer's distribution (a weight sync "
+        "that did not take, a sampling setting the trainer does not apply, a lower-precision engine); "
+        "trainer.mismatch() names the cause"
     )

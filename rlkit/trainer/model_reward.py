@@ -27,7 +27,7 @@ class ModelReward:
             RewardModelWorker,
             config.reward_model.path,
             micro_batch_size=config.micro_batch_size,
-            max_length=config.rollout.max_prompt_tokens + config.rollout.max_new_tokens,
+            max_length=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
             fsdp=config.fsdp,
             trust_remote_code=config.trust_remote_code,
         )

@@ -18,10 +18,11 @@ from typing import Any
 import pandas as pd
 import torch
 
-from rlkit.algos import kto_mismatched_pairs
+from rlkit.algos import kto_metrics, kto_mismatched_pairs, preference_metrics
 from rlkit.config import PreferenceConfig, config_from_dict
 from rlkit.data.files import PromptInput
 from rlkit.data.preferences import load_preferences
+from rlkit.data.prompts import PromptSource
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank, RoleGroup
 from rlkit.trainer import checkpoints
@@ -37,7 +38,7 @@ class PreferenceTrainer(PolicyTrainerBase):
     """DPO (and IPO, reference-free DPO) or KTO, by the config's class, on a launched cluster.
 
     ``pairs``: a ``datasets.Dataset`` or a list of dicts with the columns prompt / chosen / rejected (DPO) or
-    prompt / completion / label (KTO); files go in ``config.train_files``; with model="tiny" and neither,
+    prompt / completion / label (KTO); files go in ``config.data.train_files``; with model="tiny" and neither,
     the shipped addition set. Every problem of the config and the data is reported before any model loads.
 
     :meth:`step` is one optimizer step on ``config.batch_size`` examples; :meth:`fit` runs steps with a
@@ -48,12 +49,23 @@ class PreferenceTrainer(PolicyTrainerBase):
 
     progress_metric = "rewards/accuracy"
 
-    def __init__(self, cluster: Cluster, config: PreferenceConfig, *, pairs: PromptInput | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        config: PreferenceConfig,
+        *,
+        pairs: PromptInput | None = None,
+        val_pairs: PromptInput | None = None,
+    ):
         config.check_cluster(cluster.world_size, cluster.device)
         self.config: PreferenceConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         self._examples, summary = load_preferences(config, self.tokenizer, pairs=pairs)
+        self._val: PromptSource | None = None
+        if val_pairs is not None or config.data.val_files:
+            self._val, val_summary = load_preferences(config, self.tokenizer, pairs=val_pairs, split="val")
+            summary += "\n" + val_summary
         self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", summary)
         self._last: tuple[list[dict[str, Any]], list[PreferenceResult]] | None = None
@@ -85,6 +97,36 @@ class PreferenceTrainer(PolicyTrainerBase):
         }
         self._append_row(row, self.examples)
         return row
+
+    def evaluate(self) -> dict[str, float]:
+        """Score the held-out examples (``data.val_files`` or ``val_pairs``) under the policy now, no update:
+        ``val/loss`` and ``val/rewards/{chosen,rejected,margins,accuracy}`` (KTO: ``val/kto/z_ref``), as
+        TRL's eval metrics. After a step they also go into that step's row of :attr:`history` and the trackers."""
+        if self._val is None:
+            raise ValueError("no held-out examples: set data.val_files or pass PreferenceTrainer(val_pairs=...)")
+        start = time.perf_counter()
+        items = self._val.items
+        ranks = self.cluster.world_size
+        padded = [items[i % len(items)] for i in range(-(-len(items) // ranks) * ranks)]  # equal rows per rank
+        rows, mismatched = self._rank_rows(padded)
+        scores = self._policy.call(PreferenceWorker.evaluate, PerRank(rows), PerRank(mismatched))
+        losses = torch.cat([s.losses for s in scores])[: len(items)]  # the repeats that padded the last rank: out
+        rewards = torch.cat([s.rewards for s in scores])[: len(items)]
+        if rewards.shape[1] == 2:
+            metrics = preference_metrics(rewards[:, 0], rewards[:, 1])
+        else:
+            desirable = torch.tensor([item["label"] for item in items])
+            metrics = kto_metrics(rewards[:, 0], desirable, scores[0].z_ref or 0.0, self.config.beta)
+        out = {"val/loss": losses.mean().item(), **{f"val/{k}": v for k, v in metrics.items()}}
+        out["time/evaluate"] = time.perf_counter() - start
+        self._add_to_last_row(out)
+        return out
+
+    def _can_validate(self) -> bool:
+        return self._val is not None
+
+    def _samples(self) -> pd.DataFrame:
+        return self.examples()
 
     def _rank_rows(self, items: list[dict[str, Any]]) -> tuple[list[PreferenceRows], list[PreferenceRows | None]]:
         """Each rank's share of the rows of ``items``, and of KTO's mismatched pairs (prompt i, completion i - 1)."""
@@ -141,20 +183,27 @@ class PreferenceTrainer(PolicyTrainerBase):
 
     @classmethod
     def resume(
-        cls, cluster: Cluster, path: str | os.PathLike, *, pairs: PromptInput | None = None
+        cls,
+        cluster: Cluster,
+        path: str | os.PathLike,
+        *,
+        config: PreferenceConfig | None = None,
+        pairs: PromptInput | None = None,
+        val_pairs: PromptInput | None = None,
     ) -> PreferenceTrainer:
         """A trainer continuing from a checkpoint (``path`` itself or the latest complete one under it).
 
         The policy's weights, optimizer, schedule, RNG, step count, position in the examples and history are
         restored (the reference is the model directory's, frozen); Python data is not stored, so pass ``pairs``
-        again unless the run read ``train_files`` or the shipped set.
+        (and ``val_pairs``) again unless the run read ``data.train_files`` or the shipped set. ``config``: the run's
+        settings (default: the checkpoint's), e.g. with more ``steps``; ``fit()`` runs the steps left to them.
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
-        config = config_from_dict(meta["config"])
+        config = config if config is not None else config_from_dict(meta["config"])
         if not isinstance(config, PreferenceConfig):
             raise ValueError(f"{checkpoint} is a checkpoint of a {config.algorithm} run: use rlkit.Trainer.resume")
-        trainer = cls(cluster, config, pairs=pairs)
+        trainer = cls(cluster, config, pairs=pairs, val_pairs=val_pairs)
         trainer._policy.call(PreferenceWorker.load, str(checkpoint))
         trainer.steps_done = meta["steps_done"]
         trainer._rows = meta["history"]

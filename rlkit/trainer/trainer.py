@@ -38,6 +38,7 @@ from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tok
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
+from rlkit.trainer.mismatch import GapFloor, certify, probe, side_rollout
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
 from rlkit.workers import CriticWorker, PolicyWorker
@@ -46,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 Rewards = RewardFn | Sequence[RewardFn] | Mapping[str, RewardFn | tuple[RewardFn, float]]
 """One reward callable, a list of them (weight 1 each), or {name: fn or (fn, weight)}."""
-
 
 
 class Trainer(PolicyTrainerBase):
@@ -92,6 +92,8 @@ class Trainer(PolicyTrainerBase):
         self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", run.summary())
         self._prompts, self._val, self._rewards, self.agent = run.train, run.val, run.rewards, run.agent
+        self._position = self._prompts.state_dict()
+        """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
         self._advantage_fn = advantage_fn
         self.last_batch: Batch | None = None
         findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
@@ -142,7 +144,7 @@ class Trainer(PolicyTrainerBase):
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
                 [item["prompt"] for item in items],
-                cfg.rollout.max_prompt_tokens,
+                cfg.data.max_prompt_tokens,
                 self._prompts.add_special_tokens,
             )
         except ValueError:
@@ -226,7 +228,8 @@ class Trainer(PolicyTrainerBase):
             critic_results = self._critic.call(CriticWorker.update, PerRank(critic_rows_per_rank))
             self._record("update", start, critic_results)
             metrics.update(critic_results[0].metrics)
-        rows = [policy_rows(shard, self.config.mask_truncated) for shard in shards]
+        engine = bool(batch.engine_checked().any())  # the engine's log-probs go along when it returned any
+        rows = [policy_rows(shard, self.config.mask_truncated, engine) for shard in shards]
         results = self._policy.call(PolicyWorker.update, PerRank(rows))
         self._record("update", start, results)
         if batch.old_logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout
@@ -258,6 +261,7 @@ class Trainer(PolicyTrainerBase):
         self.advantages(batch)
         metrics = {**self.update(batch), **sampling}
         self.steps_done += 1
+        self._position = self._prompts.state_dict()
         row = step_metrics(
             step=self.steps_done,
             batch=batch,
@@ -266,6 +270,7 @@ class Trainer(PolicyTrainerBase):
             worker_times=self._worker_times,
             memory=self._memory,
             step_seconds=time.perf_counter() - start,
+            gap_limit=cfg.rollout.max_logprob_gap,
         )
         self._append_row(row, batch.to_pandas)
         return row
@@ -285,8 +290,8 @@ class Trainer(PolicyTrainerBase):
         self._add_to_last_row(metrics)
         return metrics
 
-    def _validation_every(self) -> int:
-        return self.config.validation.every if self._val is not None else 0
+    def _can_validate(self) -> bool:
+        return self._val is not None
 
     def _scored(self, batch: Batch) -> Batch:
         """``batch`` scored, kept in :attr:`last_batch` so that a reward function that fails loses nothing."""
@@ -294,10 +299,11 @@ class Trainer(PolicyTrainerBase):
         try:
             return self.score(batch)
         except RewardError as exc:
-            raise RewardError(
-                f"{exc}\nNothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the "
-                "function (trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
-            ) from exc
+            exc.add_note(
+                "Nothing is lost: no model changed and the rollout is in trainer.last_batch. Fix the function "
+                "(trainer.reward_fn = ...), then finish this step with trainer.step(trainer.last_batch)."
+            )
+            raise
 
     def _scored_refill(self, refill: int) -> Batch:
         return self._scored(self._rollout(refill))
@@ -306,7 +312,24 @@ class Trainer(PolicyTrainerBase):
         """The last step's completions, one row each (empty before the first step)."""
         return pd.DataFrame() if self.last_batch is None else self.last_batch.to_pandas()
 
+    def _samples(self) -> pd.DataFrame:
+        return self.rollouts()
+
     # -- diagnostics ------------------------------------------------------------------------------
+
+    def mismatch(self, max_rows: int = 64) -> diagnostics.MismatchReport:
+        """Why the rollout engine and the trainer disagree, now: a rollout of the next prompts with the next step's
+        seeds (nothing trains; the prompt stream stays where it is), whose first ``max_rows`` rows each rank
+        re-scores. Per token the engine's and the trainer's log-probs and their ratio, grouped by position, token id,
+        rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
+        rlkit.diagnostics.mismatch."""
+        seed = self.config.seed * 1_000_003 + self.steps_done * self.cluster.world_size
+        return probe(self, side_rollout(self, seed), max_rows)
+
+    def certify(self, max_rows: int = 64) -> GapFloor:
+        """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
+        rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
+        return certify(self, max_rows)
 
     def lint(self) -> diagnostics.Findings:
         """FSDP lint over every rank's actor, optimizer, reference and rollout engine, and the memory estimate's
@@ -336,7 +359,7 @@ class Trainer(PolicyTrainerBase):
         meta = {
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
-            "prompts": self._prompts.state_dict(),
+            "prompts": self._position,
             "history": self._rows,
         }
         return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
@@ -347,6 +370,7 @@ class Trainer(PolicyTrainerBase):
         cluster: Cluster,
         path: str | os.PathLike,
         *,
+        config: RLConfig | None = None,
         reward_fn: Rewards | None = None,
         prompts: PromptInput | None = None,
         val_prompts: PromptInput | None = None,
@@ -361,12 +385,14 @@ class Trainer(PolicyTrainerBase):
         are restored; functions and Python data are not stored, so pass reward_fn, prompts, val_prompts,
         advantage_fn, policy_loss_fn, tools and environment again unless the run used the config's (files,
         [[rewards]], [[tools]], environment) or defaults.
+        ``config``: the run's settings (default: the checkpoint's), e.g. with more ``steps``; ``fit()`` then runs
+        the steps left to ``config.steps``. The trainer writes into the config's ``output_dir``: the same run folder.
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
         trainer = cls(
             cluster,
-            config_from_dict(meta["config"]),
+            config if config is not None else config_from_dict(meta["config"]),
             reward_fn=reward_fn,
             prompts=prompts,
             val_prompts=val_prompts,
@@ -381,5 +407,6 @@ class Trainer(PolicyTrainerBase):
         trainer.steps_done = meta["steps_done"]
         trainer._rows = meta["history"]
         trainer._prompts.load_state_dict(meta["prompts"])
+        trainer._position = meta["prompts"]
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer

@@ -6,7 +6,14 @@ its methods by name; every module here runs on the workers, never in the kernel.
 
 from rlkit.workers.batches import CriticRows, PolicyRows, PreferenceRows
 from rlkit.workers.critic import CriticWorker
-from rlkit.workers.messages import PreferenceResult, RolloutResult, SampleResult, UpdateResult, ValuesResult
+from rlkit.workers.messages import (
+    PreferenceResult,
+    PreferenceScores,
+    RolloutResult,
+    SampleResult,
+    UpdateResult,
+    ValuesResult,
+)
 from rlkit.workers.policy import PolicyWorker
 from rlkit.workers.preference import PreferenceWorker
 from rlkit.workers.reward_model import RewardModelWorker
@@ -18,6 +25,7 @@ __all__ = [
     "PolicyWorker",
     "PreferenceResult",
     "PreferenceRows",
+    "PreferenceScores",
     "PreferenceWorker",
     "RewardModelWorker",
     "RolloutResult",

@@ -98,6 +98,10 @@ class ActorRole(Role):
             dist.barrier()
             export_hf(self.actor.model, path / "hf", self.model_dir)
 
+    def export(self, directory: str) -> None:
+        """The actor's full weights as a Hugging Face directory (rank 0 writes; every rank gathers)."""
+        export_hf(self.actor.model, Path(directory), self.model_dir)
+
     def load(self, directory: str) -> None:
         """Restore what :meth:`save` wrote."""
         path = Path(directory)

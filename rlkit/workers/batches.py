@@ -62,6 +62,9 @@ class PolicyRows(Rows):
     (one optimizer step per batch, ``recompute_logprobs=False``)."""
     ref_logprobs: torch.Tensor | None = None
     """[n, T] under the frozen reference (when the loss has a KL term)."""
+    rollout_logprobs: torch.Tensor | None = None
+    """[n, T] under the rollout engine that sampled (NaN on rows it returned none for): the mismatch metrics and
+    the rollout correction's weights; None: neither."""
 
 
 @dataclass(kw_only=True)

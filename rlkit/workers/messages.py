@@ -82,3 +82,15 @@ class PreferenceResult(PhaseReport):
     """[n] float32 summed completion log-probs of this rank's rows under the policy before the step."""
     reference_logps: torch.Tensor | None
     """[n] float32 the same under the frozen reference (None: reference-free DPO)."""
+
+
+@dataclass(kw_only=True)
+class PreferenceScores:
+    """One rank's held-out examples scored without an update (DPO/KTO evaluation)."""
+
+    losses: torch.Tensor
+    """[n] float32 each example's loss under the policy."""
+    rewards: torch.Tensor
+    """[n, k] float32 implicit rewards beta * log(pi / pi_ref): DPO's chosen and rejected (k = 2), KTO's (k = 1)."""
+    z_ref: float | None
+    """KTO's KL baseline over all ranks' mismatched pairs (None for DPO)."""

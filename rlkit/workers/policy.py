@@ -16,10 +16,19 @@ import psutil
 import torch
 
 from rlkit import diagnostics
-from rlkit.algos import Mean, PolicyLossFn, PolicyObjective, loss_weights, policy_objective
+from rlkit.algos import (
+    Correction,
+    Mean,
+    PolicyLossFn,
+    PolicyLossSettings,
+    PolicyObjective,
+    loss_weights,
+    policy_objective,
+)
 from rlkit.config import RLConfig
 from rlkit.data.agents import Agent
 from rlkit.data.chat import ChatRenderer
+from rlkit.diagnostics.rescore import Rescored
 from rlkit.fsdp import iter_full_params, param_dtype
 from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
@@ -28,9 +37,10 @@ from rlkit.rollout import SamplingParams, build_engine
 from rlkit.rollout.base import Generation
 from rlkit.rollout.episodes import EpisodeInput, Episodes, run_episodes
 from rlkit.workers.actor import ActorRole
-from rlkit.workers.batches import PolicyRows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import PolicyRows, Rows, global_counts, micro_batches, mini_batches
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
+from rlkit.workers.mismatch import probe_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -68,23 +78,31 @@ class PolicyWorker(ActorRole):
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             max_num_seqs=config.samples_per_step // self.world_size,
+            max_prompt_tokens=config.data.max_prompt_tokens,
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
         )
         self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
+        self.engine_synced_at = 0
+        """The optimizer step whose weights the engine holds (it starts with the model directory's, step 0)."""
         engine_model = getattr(self.engine, "model", None)
         self.memory = self._memory_tracker(engine_model if isinstance(engine_model, torch.nn.Module) else None)
         self.objective = PolicyObjective(
             policy_loss=config.policy_loss,
-            clip_eps=config.clip_eps,
-            clip_high=config.clip_high,
-            dual_clip=config.dual_clip,
-            log_ratio_clamp=config.log_ratio_clamp,
+            loss=PolicyLossSettings(
+                clip_eps=config.clip_eps,
+                clip_high=config.clip_high,
+                dual_clip=config.dual_clip,
+                log_ratio_clamp=config.log_ratio_clamp,
+                sapo_tau_pos=config.sapo_tau_pos,
+                sapo_tau_neg=config.sapo_tau_neg,
+            ),
             kl_coef=config.kl_coef if config.kl_mode == "loss" else 0.0,
             kl_estimator=config.kl_estimator,
             kl_clamp=config.kl_clamp,
             entropy_coef=config.entropy_coef,
             policy_loss_fn=policy_loss_fn,
+            correction=Correction(**dataclasses.asdict(config.rollout_correction)),
         )
 
     # -- the phases of a step ------------------------------------------------------------------
@@ -204,7 +222,7 @@ class PolicyWorker(ActorRole):
                                 old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
                             else:
                                 old_logprobs = micro.filled("old_logprobs")
-                            # 3. the objective (pure math in rlkit.algos)
+                            # 3. the objective (rlkit.algos), with the engine-vs-trainer gap and its correction
                             weights = loss_weights(
                                 micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                                 horizon=horizon,
@@ -212,6 +230,7 @@ class PolicyWorker(ActorRole):
                             loss, micro_metrics = policy_objective(
                                 new_logprobs, old_logprobs, micro.advantages, micro.response_mask, weights,
                                 self.objective, ref_logprobs=micro.ref_logprobs, entropy=entropy,
+                                rollout_logprobs=micro.rollout_logprobs,
                             )  # fmt: skip
                             # 4. backward: FSDP sums this rank's gradients with the other ranks' (at the last one)
                             loss.backward()
@@ -236,7 +255,14 @@ class PolicyWorker(ActorRole):
     def sync_engine(self) -> int:
         """Push the actor's full weights into the rollout engine; returns how many tensors were loaded."""
         with self.clock.timed("sync"):
-            return self.engine.load_weights(iter_full_params(self.actor.model))
+            count = self.engine.load_weights(iter_full_params(self.actor.model))
+        self.engine_synced_at = int(self.actor.scheduler.last_epoch)
+        return count
+
+    def mismatch_probe(self, rows: Rows) -> Rescored:
+        """This rank's ``rows`` re-scored under the hypotheses of :mod:`rlkit.diagnostics.rescore`, with the weights'
+        sums and the sync versions (``trainer.mismatch()``; a collective: every rank gets as many rows)."""
+        return probe_mismatch(self, rows)
 
     # -- log-probs -----------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.batches import PreferenceRows, global_counts, micro_batches
-from rlkit.workers.messages import PreferenceResult
+from rlkit.workers.messages import PreferenceResult, PreferenceScores
 from rlkit.workers.metrics import MetricSums
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,23 @@ class PreferenceWorker(ActorRole):
             memory_mb=self.memory.memory_mb(),
         )
 
+    @torch.no_grad()
+    def evaluate(self, rows: PreferenceRows, mismatched: PreferenceRows | None = None) -> PreferenceScores:
+        """The per-example losses and implicit rewards of this rank's held-out rows under the policy; no update.
+
+        ``mismatched`` (KTO): this rank's share of the held-out set's mismatched pairs, for its z_ref.
+        """
+        rows = rows.to(self.device)
+        # 1. the frozen reference's and the policy's summed log-probs of every completion
+        reference_logps = None if self.reference is None else self._scored_logps(self.reference, rows)
+        policy_logps = self._scored_logps(self.actor.model, rows)
+        # 2. KTO's KL baseline over all ranks' mismatched pairs
+        z_ref = None if mismatched is None else self._kl_baseline(mismatched.to(self.device))
+        # 3. the losses and rewards (pure math in rlkit.algos)
+        losses, rewards = self._example_losses(policy_logps, reference_logps, rows, z_ref)
+        return PreferenceScores(losses=losses.float().cpu(), rewards=rewards.float().cpu(),
+                                z_ref=None if z_ref is None else float(z_ref))  # fmt: skip
+
     def _losses(
         self,
         policy_logps: torch.Tensor,
@@ -108,34 +125,47 @@ class PreferenceWorker(ActorRole):
         micro: PreferenceRows,
         z_ref: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, Mean]]:
-        """Per-example losses [b] (with gradient) and the named metric sums of one micro-batch.
+        """Per-example losses [b] (with gradient) and the named metric sums of one micro-batch."""
+        losses, rewards = self._example_losses(policy_logps, reference_logps, micro, z_ref)
+        if isinstance(self.config, DPOConfig):
+            pairs = len(losses)
+            return losses, {
+                **preference_sums(rewards[:, 0], rewards[:, 1]),
+                "logps/chosen": Mean(policy_logps[0::2].detach().sum(), pairs),
+                "logps/rejected": Mean(policy_logps[1::2].detach().sum(), pairs),
+            }
+        assert z_ref is not None
+        return losses, kto_sums(rewards[:, 0], micro.filled("desirable"), z_ref, self.config.beta)
+
+    def _example_losses(
+        self,
+        policy_logps: torch.Tensor,
+        reference_logps: torch.Tensor | None,
+        rows: PreferenceRows,
+        z_ref: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-example losses [b] (with gradient when the log-probs have it) and implicit rewards [b, k] (detached;
+        DPO: chosen, rejected; KTO: the completion's).
 
         Args:
             policy_logps, reference_logps: [b * sequences_per_example] summed completion log-probs of the rows.
-            micro: the micro-batch's rows (KTO's labels in ``desirable``); z_ref: KTO's KL baseline.
+            rows: the rows (KTO's labels in ``desirable``); z_ref: KTO's KL baseline.
         """
         cfg = self.config
         if isinstance(cfg, DPOConfig):
-            policy_chosen_logps, policy_rejected_logps = policy_logps[0::2], policy_logps[1::2]
             reference_chosen = None if reference_logps is None else reference_logps[0::2]
             reference_rejected = None if reference_logps is None else reference_logps[1::2]
             losses, chosen_rewards, rejected_rewards = dpo_loss(
-                policy_chosen_logps, policy_rejected_logps, reference_chosen, reference_rejected, beta=cfg.beta,
+                policy_logps[0::2], policy_logps[1::2], reference_chosen, reference_rejected, beta=cfg.beta,
                 loss=cfg.loss, label_smoothing=cfg.label_smoothing, reference_free=cfg.reference_free,
             )  # fmt: skip
-            pairs = len(losses)
-            return losses, {
-                **preference_sums(chosen_rewards, rejected_rewards),
-                "logps/chosen": Mean(policy_chosen_logps.detach().sum(), pairs),
-                "logps/rejected": Mean(policy_rejected_logps.detach().sum(), pairs),
-            }
+            return losses, torch.stack([chosen_rewards, rejected_rewards], dim=1)
         assert isinstance(cfg, KTOConfig) and reference_logps is not None and z_ref is not None
-        desirable = micro.filled("desirable")
         losses, rewards = kto_loss(
-            policy_logps, reference_logps, desirable, z_ref, beta=cfg.beta,
+            policy_logps, reference_logps, rows.filled("desirable"), z_ref, beta=cfg.beta,
             desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight,
         )  # fmt: skip
-        return losses, kto_sums(rewards, desirable, z_ref, cfg.beta)
+        return losses, rewards.unsqueeze(1)
 
     def _kl_baseline(self, mismatched: PreferenceRows) -> torch.Tensor:
         """KTO's z_ref over every rank's mismatched pairs ([m] rows here, as many on each rank), no gradient."""

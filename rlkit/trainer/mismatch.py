@@ -1,0 +1,123 @@
+"""The controller's side of ``trainer.mismatch()`` and ``trainer.certify()``: a rollout nothing trains on, each rank's
+re-scoring of it (:meth:`PolicyWorker.mismatch_probe`), and the report (:mod:`rlkit.diagnostics.mismatch`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+
+from rlkit.data.batch import Batch
+from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
+from rlkit.runtime import PerRank
+from rlkit.trainer.assemble import assemble_batch, tokenize_prompts
+from rlkit.workers import PolicyWorker
+from rlkit.workers.batches import Rows
+
+if TYPE_CHECKING:
+    from rlkit.trainer.trainer import Trainer
+
+CERTIFY_SEED = 424_242
+"""The sampling seed of :func:`certify`'s rollout (offset by the config's seed and the rank)."""
+
+
+@dataclass
+class GapFloor:
+    """``trainer.certify()``: the engine-vs-trainer gap of a fixed-seed rollout for this model, engine and settings."""
+
+    engine: str
+    dtypes: dict[str, str]
+    """The trainer's compute dtype and the engine's weight dtype."""
+    temperature: float
+    top_p: float
+    tokens: int
+    abs_delta_mean: float
+    """Mean |trainer - engine| log-prob per token (nats): the floor every step's mismatch metrics sit on."""
+    abs_delta_p99: float
+    abs_delta_max: float
+    kl_k3: float
+    causes: list[str]
+    """The checks of :class:`~rlkit.diagnostics.mismatch.MismatchReport` that named a cause (none: the gap is the
+    floor of these settings)."""
+    report: MismatchReport
+
+    @property
+    def clean(self) -> bool:
+        return not self.causes
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row: the settings and the floor."""
+        row = {k: v for k, v in vars(self).items() if k not in ("report", "dtypes", "causes")}
+        return pd.DataFrame([{**row, **{f"{k}_dtype": v for k, v in self.dtypes.items()}, "causes": self.causes}])
+
+    def __str__(self) -> str:
+        verdict = "clean: this is the floor" if self.clean else "causes named: " + ", ".join(self.causes)
+        return (f"gap floor ({self.engine} engine {self.dtypes.get('engine')}, trainer {self.dtypes.get('trainer')}, "
+                f"temperature {self.temperature:g}, top_p {self.top_p:g}): mean |delta| {self.abs_delta_mean:.3g}, "
+                f"p99 {self.abs_delta_p99:.3g}, max {self.abs_delta_max:.3g}, k3 {self.kl_k3:.3g} over "
+                f"{self.tokens} tokens; {verdict}")  # fmt: skip
+
+
+def side_rollout(trainer: Trainer, seed: int) -> Batch:
+    """The next prompts' completions and log-probs, as :meth:`Trainer.rollout` makes them, with sampling seeds
+    ``seed + rank``; nothing is trained and the prompt stream is left where it was."""
+    cfg, ranks = trainer.config, trainer.cluster.world_size
+    position = trainer._prompts.state_dict()
+    try:
+        items = trainer._prompts.next(cfg.prompts_per_step)
+    finally:
+        trainer._prompts.load_state_dict(position)
+    texts = [item["prompt"] for item in items]
+    prompt_ids, prompt_mask = tokenize_prompts(
+        trainer.tokenizer, texts, cfg.data.max_prompt_tokens, trainer._prompts.add_special_tokens
+    )
+    results = trainer._policy.call(
+        PolicyWorker.rollout,
+        PerRank(list(prompt_ids.chunk(ranks))),
+        PerRank(list(prompt_mask.chunk(ranks))),
+        PerRank([seed + r for r in range(ranks)]),
+    )
+    return assemble_batch(trainer.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
+
+
+def probe(trainer: Trainer, batch: Batch, max_rows: int) -> MismatchReport:
+    """Each rank re-scores the first ``max_rows / world size`` of its rows of ``batch`` that carry engine log-probs
+    (as many on every rank); the report of those rows."""
+    ranks = trainer.cluster.world_size
+    shards = batch.split(ranks)
+    with_engine = [torch.ones(len(s), dtype=torch.bool) if s.rollout_logprob_rows is None else s.rollout_logprob_rows
+                   for s in shards]  # fmt: skip
+    per_rank = min([max(1, max_rows // ranks)] + [int(rows.sum()) for rows in with_engine])
+    if per_rank == 0:
+        raise ValueError("a rank's rollout has no engine log-probs to compare: set rollout.engine_logprobs > 0")
+    picked = [s.select(rows.nonzero().squeeze(1)[:per_rank]) for s, rows in zip(shards, with_engine, strict=True)]
+    rows = [Rows(input_ids=s.input_ids, attention_mask=s.attention_mask, response_mask=s.response_mask) for s in picked]
+    rescored = trainer._policy.call(PolicyWorker.mismatch_probe, PerRank(rows))
+    history = trainer.history
+    gaps = history["rollout/logprob_gap/mean"].dropna().tolist() if "rollout/logprob_gap/mean" in history else []
+    decode = lambda i: trainer.tokenizer.decode([i])  # noqa: E731
+    return mismatch_report(Batch.concat(picked), rescored, decode=decode, gap_history=gaps)
+
+
+def certify(trainer: Trainer, max_rows: int) -> GapFloor:
+    """A fixed-seed rollout of the next prompts, re-scored: the gap floor and any named cause."""
+    cfg = trainer.config
+    batch = side_rollout(trainer, cfg.seed * 1_000_003 + CERTIFY_SEED)
+    report = probe(trainer, batch, max_rows)
+    gaps, s = report.tokens["abs_delta"], report.summary
+    return GapFloor(
+        engine=cfg.rollout.engine,
+        dtypes=report.dtypes,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        tokens=int(s.get("tokens", 0)),
+        abs_delta_mean=s.get("abs_delta_mean", math.nan),
+        abs_delta_p99=float(gaps.quantile(0.99)) if len(gaps) else math.nan,
+        abs_delta_max=s.get("abs_delta_max", math.nan),
+        kl_k3=s.get("kl_k3", math.nan),
+        causes=report.causes,
+        report=report,
+    )
