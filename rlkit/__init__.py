@@ -6,6 +6,7 @@ trainer.fit(steps=20)
 """
 
 from rlkit.config import (
+    AgentConfig,
     CheckpointConfig,
     ConfigError,
     CriticConfig,
@@ -28,6 +29,7 @@ from rlkit.trainer import PreferenceTrainer, Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentConfig",
     "CheckpointConfig",
     "ConfigError",
     "CriticConfig",

@@ -146,9 +146,9 @@ def all_cells_done(page, lab: Lab, above: int) -> bool:
     return all(re.search(r"\[\d+\]", c) for c in counts) and not any("*" in p for p in prompts) and lab.kernels_idle()
 
 
-def drive(page, lab: Lab, cells: int) -> None:
-    """Run the cells above the last, click Step, check the counter and the plots, take the screenshots."""
-    page.goto(lab.url("lab/tree/01_quickstart.ipynb"))
+def run_above_last(page, lab: Lab, notebook: str, cells: int) -> None:
+    """Open ``notebook``, run every cell above its last (the cluster's shutdown) and wait for them without errors."""
+    page.goto(lab.url(f"lab/tree/{notebook}"))
     page.locator(".jp-Notebook .jp-Cell").last.wait_for(timeout=60_000)
     wait_until(lab.kernels_idle, 60, "the kernel to start")
     page.locator(".jp-Notebook .jp-Cell").last.click()  # everything above the last cell (cluster.shutdown())
@@ -161,6 +161,17 @@ def drive(page, lab: Lab, cells: int) -> None:
 
     wait_until(lambda: all_cells_done(page, lab, cells - 1) or failed(), 300, "the cells above the shutdown")
     assert not failed(), failed()
+
+
+def run_last(page, lab: Lab) -> None:
+    page.locator(".jp-Notebook .jp-Cell").last.click()  # cluster.shutdown()
+    page.keyboard.press("Shift+Enter")
+    wait_until(lab.kernels_idle, 60, "the shutdown cell")
+
+
+def drive(page, lab: Lab, cells: int) -> None:
+    """Run the cells above the last, click Step, check the counter and the plots, take the screenshots."""
+    run_above_last(page, lab, "01_quickstart.ipynb", cells)
     dashboard = page.locator(".rlkit-dashboard")
     assert dashboard.count() == 1, "the dashboard cell shows no widget (is the widget front end missing?)"
 
@@ -180,10 +191,7 @@ def drive(page, lab: Lab, cells: int) -> None:
         wait_until(lambda visible=visible, drawn=drawn: visible.count() >= drawn, 30, f"the {tab} tab's figures")
         dashboard.screenshot(path=str(ARTIFACTS / f"quickstart_tab_{tab.replace(' ', '_')}.png"))
     assert "No findings" in dashboard.inner_text()
-
-    page.locator(".jp-Notebook .jp-Cell").last.click()  # cluster.shutdown()
-    page.keyboard.press("Shift+Enter")
-    wait_until(lab.kernels_idle, 60, "the shutdown cell")
+    run_last(page, lab)
 
 
 @pytest.mark.timeout(420)
@@ -204,6 +212,54 @@ def test_quickstart_dashboard_in_chromium(tmp_path, widgets_in_kernels):
                 drive(page, lab, cells)
             except BaseException:
                 page.screenshot(path=str(ARTIFACTS / "failure.png"))
+                raise
+            finally:
+                browser.close()
+    finally:
+        lab.stop()
+
+
+TRAJECTORY_CELLS = [
+    "import rlkit\nfrom rlkit.widgets import TrajectoryView\n\ncluster = rlkit.launch(world_size=1)",
+    'config = rlkit.GRPOConfig(model="tiny-agent", seed=0, prompts_per_step=2, group_size=4,\n'
+    "                          rollout=rlkit.RolloutConfig(max_new_tokens=64),\n"
+    "                          agent=rlkit.AgentConfig(max_turns=2))\n"
+    "trainer = rlkit.Trainer(cluster, config)\n"
+    "batch = trainer.advantages(trainer.score(trainer.rollout()))",
+    'TrajectoryView(batch, lambda i: trainer.tokenizer.decode([i]), colouring="advantage", page_size=4)',
+    "cluster.shutdown()",
+]
+"""A notebook that rolls out the bundled tool task on one rank and shows its trajectories."""
+
+
+@pytest.mark.timeout(300)
+def test_a_multi_turn_trajectory_in_chromium(tmp_path, widgets_in_kernels):
+    """TrajectoryView's widget in JupyterLab: turns with the calculator's call and result; kept as a screenshot."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
+    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    import nbformat
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}
+    cells = [nbformat.v4.new_code_cell(c) for c in TRAJECTORY_CELLS]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=kernel), notebooks / "trajectories.ipynb")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab(notebooks, tmp_path / "lab")
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            try:
+                run_above_last(page, lab, "trajectories.ipynb", len(TRAJECTORY_CELLS))
+                view = page.locator(".jp-OutputArea-output .rlkit-view").last  # the widget, or its HTML fallback
+                view.wait_for(timeout=30_000)
+                text = view.inner_text()
+                assert "trajectory 0" in text and "<tool_call>" in text and "ok" in text, text[:500]
+                view.screenshot(path=str(ARTIFACTS / "agentic_trajectory.png"))
+                run_last(page, lab)
+            except BaseException:
+                page.screenshot(path=str(ARTIFACTS / "agentic_failure.png"))
                 raise
             finally:
                 browser.close()

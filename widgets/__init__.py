@@ -11,6 +11,7 @@ from rlkit.widgets.lint import LintView
 from rlkit.widgets.memory import MemoryView
 from rlkit.widgets.rollouts import RolloutView
 from rlkit.widgets.sharding import ShardingView
+from rlkit.widgets.trajectories import TrajectoryView
 
 __all__ = [
     "Dashboard",
@@ -20,5 +21,6 @@ __all__ = [
     "RolloutView",
     "ShardingView",
     "TrainingView",
+    "TrajectoryView",
     "reward_figure",
 ]

@@ -15,6 +15,7 @@ from rlkit.widgets.memory import MemoryView
 from rlkit.widgets.rollouts import RolloutView
 from rlkit.widgets.runner import Runner, Throttle
 from rlkit.widgets.sharding import ShardingView
+from rlkit.widgets.trajectories import TrajectoryView
 from rlkit.widgets.view import STYLE, table_html, write_page
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Dashboard:
             "sharding": ShardingView(sharding),
             "memory": MemoryView(self._record_memory(), sharding.scaling),
             "grad norms": GradNormView(self._grad_norms()),
-            "rollouts": RolloutView.from_trainer(trainer),
+            "rollouts": (TrajectoryView if getattr(trainer, "agent", None) else RolloutView).from_trainer(trainer),
             "lint": LintView(trainer.lint()),
         }
         self._build(run_steps)

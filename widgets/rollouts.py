@@ -15,6 +15,8 @@ from rlkit.widgets.view import View
 COLOURINGS = ("advantage", "logprob_gap", "mismatch", "logprob")
 GAP_FULL = 1.0
 """A trainer-vs-engine log-prob gap of this many nats or more is drawn fully red (healthy runs: < 1e-3)."""
+OBSERVATION_STYLE = "background:#e8e8e8;color:#666;white-space:pre"
+"""How a trajectory's observation tokens (attended to, not the model's, not trained on) are drawn."""
 LOGPROB_FULL = 5.0
 """A token log-prob of minus this or lower (p < 0.7%) is drawn fully red."""
 TOP_TOKENS = 8
@@ -157,12 +159,16 @@ class RolloutView(View):
     # -- rendering ----------------------------------------------------------------------------------
 
     def tokens_html(self, i: int, values: torch.Tensor, colouring: str, scale: float) -> str:
-        """Sample ``i``'s completion as coloured spans; each span's title gives the token and its value."""
+        """Sample ``i``'s completion as coloured spans; each span's title gives the token and its value (a trajectory's
+        observation tokens grey)."""
         b = self._shown()
         ids = b.input_ids[i, b.prompt_length :]
         spans = []
-        for t in range(int(b.response_mask[i].sum())):
+        for t in range(int(b.trajectory_lengths[i])):
             text, value = self.decode(int(ids[t])), float(values[i, t])
+            if not b.response_mask[i, t]:  # a trajectory's observation token: attended, not the model's
+                spans.append(f'<span style="{OBSERVATION_STYLE}">{html.escape(text)}</span>')
+                continue
             spans.append(
                 f'<span title="{html.escape(repr(text))} {colouring} {value:.4g}" '
                 f'style="background:{token_rgba(value, colouring, scale)};white-space:pre">'

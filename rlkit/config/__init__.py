@@ -10,6 +10,7 @@ preference configs :class:`DPOConfig` and :class:`KTOConfig` share the model, op
 checkpoint settings.
 """
 
+from rlkit.config.agent import AgentConfig, ToolSpec
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
 from rlkit.config.correction import RolloutCorrectionConfig
@@ -38,6 +39,7 @@ from rlkit.config.sections import (
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "AgentConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -58,6 +60,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "SHARDING",
+    "ToolSpec",
     "ValidationConfig",
     "config_from_dict",
     "config_from_toml",

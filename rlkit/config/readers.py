@@ -82,9 +82,9 @@ def _toml_name(dotted: str) -> str:
 def config_from_toml(path: str | Path) -> Any:
     """Read a TOML config (``algorithm = "ppo"`` at the top selects PPOConfig; default "grpo").
 
-    Relative file paths in ``[data]`` and ``[[rewards]]`` are taken from the TOML file's folder when something is
-    there, else left to the working directory, so a run's files can sit beside its config. A relative
-    ``output_dir`` is the working directory's, as every output of a run.
+    Relative file paths in ``[data]``, ``[[rewards]]``, ``[[tools]]`` and ``environment`` are taken from the TOML
+    file's folder when something is there, else left to the working directory, so a run's files can sit beside its
+    config. A relative ``output_dir`` is the working directory's, as every output of a run.
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -112,17 +112,22 @@ def _beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
         for key in ("train_files", "val_files"):
             resolve_files(table, key)
         data["data"] = table
-    rewards = data.get("rewards")
-    if isinstance(rewards, list):
-        data["rewards"] = [_reward_beside(r, resolve) for r in rewards]
+    for key in ("rewards", "tools"):
+        if isinstance(data.get(key), list):
+            data[key] = [_function_beside(spec, resolve) for spec in data[key]]
+    if isinstance(data.get("environment"), str):
+        data["environment"] = _name_beside(data["environment"], resolve)
     return data
 
 
-def _reward_beside(spec: Any, resolve: Callable[[str], str]) -> Any:
-    """A ``[[rewards]]`` table whose ``function = "file.py:name"`` points into the TOML file's folder."""
+def _function_beside(spec: Any, resolve: Callable[[str], str]) -> Any:
+    """A ``[[rewards]]`` or ``[[tools]]`` table whose ``function = "file.py:name"`` points into the TOML's folder."""
     if not isinstance(spec, dict) or not isinstance(spec.get("function"), str):
         return spec
-    where, sep, name = spec["function"].rpartition(":")
-    if not where.endswith(".py"):
-        return spec
-    return {**spec, "function": f"{resolve(where)}{sep}{name}"}
+    return {**spec, "function": _name_beside(spec["function"], resolve)}
+
+
+def _name_beside(named: str, resolve: Callable[[str], str]) -> str:
+    """``"file.py:name"`` with the file resolved (module names as they are)."""
+    where, sep, name = named.rpartition(":")
+    return f"{resolve(where)}{sep}{name}" if where.endswith(".py") else named

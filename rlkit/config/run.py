@@ -12,6 +12,7 @@ from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
 from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.algos.losses import POLICY_LOSSES
+from rlkit.config.agent import AgentConfig, ToolSpec
 from rlkit.config.checks import ConfigError, need
 from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
@@ -40,7 +41,8 @@ class RLConfig:
 
     algorithm: ClassVar[str] = ""
     model: str = "tiny"
-    """"tiny" (the bundled model and task) or a local Hugging Face model directory."""
+    """"tiny" (the bundled model and task), "tiny-agent" (the bundled multi-turn model and its calculator task) or a
+    local Hugging Face model directory."""
     seed: int = 0
     """Seed for prompts, sampling and initialisation; same seed, same run."""
     steps: int = 50
@@ -157,6 +159,15 @@ class RLConfig:
     """How often and how the validation prompts (``data.val_files``) are scored (``[validation]``)."""
     rewards: list[RewardSpec] = field(default_factory=list)
     """Reward functions named by file or module, with weights (``[[rewards]]`` tables in TOML)."""
+    tools: list[ToolSpec] = field(default_factory=list)
+    """Tool functions named by file or module (``[[tools]]`` tables in TOML); with tools (or an environment) a
+    rollout is multi-turn: see :class:`rlkit.config.agent.AgentConfig`. ``Trainer(tools=[fn])`` adds to them."""
+    environment: str = ""
+    """An environment class named by file or module, ``"file.py:Class"`` (one instance per trajectory:
+    ``reset(**fields)``, ``step(text) -> (observation, reward, done)``, either may be async); "" = none.
+    ``Trainer(environment=Class)`` replaces it."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The limits of a multi-turn trajectory and how tool calls are parsed (``[agent]``)."""
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that get every metric, the config and sample completions: any of
     "tensorboard", "wandb", "mlflow" (each needs its extra, e.g. ``pip install 'rlkit[tensorboard]'``)."""
@@ -182,8 +193,8 @@ class RLConfig:
     def problems(self) -> list[str]:
         p: list[str] = []
         need(p, self.model != "", 'model="": give "tiny" or a local Hugging Face model directory')
-        if self.model not in ("", "tiny") and not Path(self.model).is_dir():
-            p.append(f'model="{self.model}": not "tiny" and not a local directory (nothing is downloaded)')
+        if self.model not in ("", "tiny", "tiny-agent") and not Path(self.model).is_dir():
+            p.append(f'model="{self.model}": not "tiny", "tiny-agent" or a local directory (nothing is downloaded)')
         need(p, self.steps >= 1, f"steps={self.steps}: must be >= 1")
         need(p, self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step}: must be >= 1")
         need(p, self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: must be >= 1")
@@ -210,7 +221,7 @@ class RLConfig:
             self.dual_clip is None or self.dual_clip > 1,
             f"dual_clip={self.dual_clip}: must be > 1 (e.g. 3.0), or None to disable",
         )
-        p += self._loss_problems() + self._shaping_problems()
+        p += self._loss_problems() + self._shaping_problems() + self._agent_problems()
         need(p, self.entropy_coef >= 0, f"entropy_coef={self.entropy_coef}: must be >= 0 (0 = no bonus)")
         need(p, self.kl_coef >= 0, f"kl_coef={self.kl_coef}: must be >= 0 (0 disables the reference)")
         need(p, self.kl_estimator in KL_ESTIMATORS, f'kl_estimator="{self.kl_estimator}": use one of {KL_ESTIMATORS}')
@@ -321,6 +332,17 @@ class RLConfig:
             need(p, self.max_refill_rounds >= 1, f"max_refill_rounds={self.max_refill_rounds}: must be >= 1, e.g. 4")
         return p
 
+    def _agent_problems(self) -> list[str]:
+        """Checks of ``[[tools]]``, ``environment`` and ``[agent]`` (their files are checked by load_run_data)."""
+        p = [q for i, t in enumerate(self.tools) for q in t.problems(f"tools[{i}]")] + self.agent.problems()
+        where, _, name = self.environment.rpartition(":")
+        need(p, not self.environment or (where.strip() != "" and name.strip() != ""),
+             f'environment="{self.environment}": write "my_env.py:GuessNumber" or "package.module:GuessNumber"')
+        budget = self.rollout.max_new_tokens
+        need(p, self.agent.max_turn_tokens <= budget, f"agent.max_turn_tokens={self.agent.max_turn_tokens}: must be "
+             f"at most the trajectory's budget, rollout.max_new_tokens={budget}")  # fmt: skip
+        return p
+
     def check_cluster(
         self,
         world_size: int,
@@ -356,9 +378,9 @@ class RLConfig:
     def _model_family_problems(self, device: str) -> list[str]:
         """What the model directory lacks for FSDP and the rollout engine (imports transformers, and vLLM for it)."""
         from rlkit.models.families import check_model_family
-        from rlkit.models.tiny import TINY_MODEL_DIR
+        from rlkit.models.tiny import BUNDLED_MODELS
 
-        model_dir = TINY_MODEL_DIR if self.model == "tiny" else Path(self.model)
+        model_dir = BUNDLED_MODELS.get(self.model, Path(self.model))
         return check_model_family(
             model_dir,
             engine=self.rollout.engine,

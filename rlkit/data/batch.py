@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 
 from rlkit.algos import masked_mean
+from rlkit.data.trajectories import Trajectory, turns_frame
 
 
 @dataclass(kw_only=True)
@@ -19,6 +20,11 @@ class Batch:
 
     Sequences are laid out as ``[prompt (left-padded to P) | response (right-padded to T)]``.
     Fields after ``finish_reason`` are filled by later phases and are None before.
+
+    A multi-turn run's response is a trajectory: the model's turns and, between them, the observations that
+    answered them (tool results, an environment's replies). Observation tokens are attended to
+    (``attention_mask`` 1) but are not the model's: ``response_mask`` is 0 on them, so they stay out of the
+    loss, the log-prob gap and ``response_lengths``; ``turn_index`` and ``trajectories`` say which turn is where.
     """
 
     prompts: list[str]
@@ -30,7 +36,8 @@ class Batch:
     attention_mask: torch.Tensor
     """[B, P + T] int64, 1 on real prompt and response tokens."""
     response_mask: torch.Tensor
-    """[B, T] float32, 1 on generated tokens (the end-of-text token included)."""
+    """[B, T] float32, 1 on the model's generated tokens (each turn's end token included); 0 on padding and on a
+    trajectory's observation tokens (holes between its turns)."""
     rollout_logprobs: torch.Tensor
     """[B, T] float32 log-probs of the sampled tokens under the rollout engine; NaN on the rows the engine
     returned none for (``rollout.engine_logprobs`` < 1 asks for a fraction of the prompts only)."""
@@ -41,9 +48,16 @@ class Batch:
     rank: torch.Tensor | None = None
     """[B] int64, the rank that generated each sample (None when not known)."""
     finish_reason: list[str]
-    """B values, "stop" (end-of-text emitted) or "length" (hit max_new_tokens)."""
+    """B values, "stop" (end-of-text emitted) or "length" (hit max_new_tokens); a trajectory's may also be
+    "max_turns", "budget" or "env_error" (rlkit.config.agent.FINISH_REASONS)."""
     fields: dict[str, list] = field(default_factory=dict)
     """Extra per-sample columns from the prompt source (e.g. "answer"), each of length B."""
+    turn_index: torch.Tensor | None = None
+    """[B, T] int64 (multi-turn runs): the model turn each response token belongs to (an observation token: the turn
+    it answers), -1 on padding; None for single-turn completions."""
+    trajectories: list[Trajectory] | None = None
+    """B records (multi-turn runs): each trajectory's conversation, turns (text, tool calls and results, environment
+    rewards), finish reason and template drift; ``completions`` then holds each one's last model turn."""
     old_logprobs: torch.Tensor | None = None
     """[B, T] float32 log-probs under the trainer's actor before the update (PPO's old policy); filled by
     the rollout, or by the update's own forward when ``recompute_logprobs=False``."""
@@ -70,8 +84,14 @@ class Batch:
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """[B] int64 number of generated tokens."""
+        """[B] int64 number of the model's generated tokens (a trajectory's observation tokens not counted)."""
         return self.response_mask.sum(dim=1).long()
+
+    @property
+    def trajectory_lengths(self) -> torch.Tensor:
+        """[B] int64 tokens after the prompt, the model's and the observations' (what the budget of
+        ``rollout.max_new_tokens`` counts); equal to :attr:`response_lengths` for single-turn completions."""
+        return self.attention_mask[:, self.prompt_length :].sum(dim=1).long()
 
     @property
     def logprobs(self) -> torch.Tensor | None:
@@ -183,8 +203,13 @@ class Batch:
             self, input_ids=pad(self.input_ids, (extra, 0)), attention_mask=pad(self.attention_mask, (extra, 0))
         )
 
+    def turns_frame(self) -> pd.DataFrame:
+        """One row per turn of every trajectory (multi-turn runs): see :func:`rlkit.data.trajectories.turns_frame`."""
+        return turns_frame(self)
+
     def to_pandas(self) -> pd.DataFrame:
-        """One row per completion: what a person reads to judge a step."""
+        """One row per completion (per trajectory in a multi-turn run: ``completion`` is its last model turn, with its
+        turns, tool calls, environment reward and drift): what a person reads to judge a step."""
         lengths = self.response_lengths
         columns: dict[str, list] = {
             "group": self.group.tolist(),
@@ -203,6 +228,12 @@ class Batch:
             columns["value"] = self.values[:, 0].tolist()
         if self.advantages is not None:
             columns["advantage"] = masked_mean(self.advantages, self.response_mask, dim=1).tolist()
+        if self.trajectories is not None:
+            columns["turns"] = [len(t.turns) for t in self.trajectories]
+            columns["tool_calls"] = [t.tool_calls for t in self.trajectories]
+            columns["failed_calls"] = [t.failed_calls for t in self.trajectories]
+            columns["env_reward"] = [t.env_reward for t in self.trajectories]
+            columns["drift"] = [t.drift for t in self.trajectories]
         checked = self.engine_checked()
         rollout_mean = masked_mean(self.rollout_logprobs, checked, dim=1)
         columns["rollout_logprob_mean"] = self._per_checked_row(rollout_mean).tolist()

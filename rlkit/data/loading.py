@@ -17,12 +17,15 @@ from rlkit.config.checks import ConfigError
 from rlkit.config.data import DataConfig
 from rlkit.data.files import PromptInput, read_files, rows_from_python
 from rlkit.data.prompts import PromptSource
-from rlkit.data.templates import render_prompts
+from rlkit.data.templates import as_messages, render_prompts
 
 logger = logging.getLogger(__name__)
 
-RESERVED_COLUMNS = ("prompt", "prompts", "completions")
-"""Field names a data column may not take: the rendered prompt, and the reward functions' positional arguments."""
+PROMPT_MESSAGES = "prompt_messages"
+"""The item key of a multi-turn run's prompt as chat messages (the workers' trajectories start from them)."""
+RESERVED_COLUMNS = ("prompt", "prompts", "completions", PROMPT_MESSAGES)
+"""Field names a data column may not take: the rendered prompt, the reward functions' positional arguments, and
+a multi-turn run's prompt messages (such a run also reserves rlkit.data.agents.AGENT_FIELDS)."""
 EXAMPLES = 3
 """Too-long prompts shown in a problem or a report."""
 
@@ -99,8 +102,12 @@ def collect_prompts(
     base_dir: str | Path | None = None,
     split: str = "train",
     prompts: PromptInput | None = None,
+    tools: list[Any] | None = None,
 ) -> tuple[PromptSource | None, PromptReport | None, list[str]]:
     """:func:`load_prompt_source` returning its problems instead of raising them.
+
+    ``tools`` (a multi-turn run's tools' schemas; [] for an environment without tools) renders every prompt
+    through the chat template with them, and keeps each prompt's messages in its item (``PROMPT_MESSAGES``).
 
     The source is None when there are problems; the report is there whenever rows were read (its
     ``fields`` let the reward functions be checked even then). Rows of the files that could be read
@@ -113,7 +120,8 @@ def collect_prompts(
     fields = [c for c in columns if c != data.prompt_key]
     report = PromptReport(split=split, source=where, rows=len(rows), kept=0, longest=0, templated=False, fields=fields)
     values = [r[data.prompt_key] for r in rows]
-    texts, report.templated, render_problems = render_prompts(values, tokenizer, data.chat_template, data.prompt_key)
+    chat_template = data.chat_template if tools is None else True
+    texts, report.templated, render_problems = render_prompts(values, tokenizer, chat_template, data.prompt_key, tools)
     if render_problems:
         return None, report, problems + render_problems
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=not report.templated)["input_ids"]]
@@ -124,6 +132,9 @@ def collect_prompts(
     report.examples = _examples([i for i, n in enumerate(lengths) if n > max_prompt_tokens], lengths, texts)
     logger.log(logging.WARNING if report.dropped else logging.INFO, "%s", report.summary())
     items = [{"prompt": texts[i], **{f: rows[i][f] for f in fields}} for i in keep]
+    if tools is not None:
+        for item, i in zip(items, keep, strict=True):
+            item[PROMPT_MESSAGES] = as_messages(values[i])
     return PromptSource(items, seed=seed, add_special_tokens=not report.templated), report, []
 
 

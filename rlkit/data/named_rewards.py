@@ -53,7 +53,7 @@ def collect_rewards(
     terms, problems = [], []
     for i, spec in enumerate(specs):
         setting = f'rewards[{i}].function="{spec.function}"'
-        fn, problem = _resolve(spec.function, base, modules)
+        fn, problem = resolve_object(spec.function, base, modules)
         if problem:
             problems.append(f"{setting}: {problem}")
             continue
@@ -107,8 +107,9 @@ def signature_problems(fn: Any, columns: Collection[str] | None) -> list[str]:
     return problems
 
 
-def _resolve(function: str, base_dir: Path | None, modules: dict[Path, ModuleType]) -> tuple[Any, str]:
-    """The object ``function`` names, or (None, the problem)."""
+def resolve_object(function: str, base_dir: Path | None, modules: dict[Path, ModuleType]) -> tuple[Any, str]:
+    """The callable ``function`` (``"file.py:name"`` or ``"package.module:name"``) names, or (None, the problem);
+    ``modules`` caches the files imported so far (each runs once per check)."""
     where, _, attr = function.rpartition(":")
     if where.endswith(".py") or "/" in where or "\\" in where:
         found, places = resolve_path(where, base_dir)

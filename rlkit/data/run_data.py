@@ -13,6 +13,8 @@ from typing import Any
 
 from rlkit.config.checks import ConfigError
 from rlkit.config.run import RLConfig
+from rlkit.data import agent_tasks
+from rlkit.data.agents import AGENT_FIELDS, Agent, collect_agent
 from rlkit.data.files import PromptInput
 from rlkit.data.loading import PromptReport, collect_prompts
 from rlkit.data.named_rewards import collect_rewards, signature_problems
@@ -22,6 +24,8 @@ from rlkit.data.tasks import AdditionTask, addition_reward
 
 TASK_FIELDS = ["answer"]
 """The fields of the bundled addition task's rows (model="tiny" without data)."""
+AGENT_TASK_PROMPTS = 4096
+"""Prompts of the bundled product task (model="tiny-agent" without data), drawn from the run's seed."""
 
 
 @dataclass
@@ -36,11 +40,22 @@ class RunData:
     """The reward terms: ``reward_fn`` given in Python, then ``[[rewards]]``; a reward model comes on top."""
     reports: list[PromptReport]
     """What loading each split did (rows kept and dropped); empty for the bundled task."""
+    agent: Agent | None = None
+    """The tools, environment and limits of a multi-turn run; None for single-turn completions."""
 
     def summary(self) -> str:
         """Lines for a person: each split's report and the reward terms with their weights."""
         terms = ", ".join(f"{t.name} x {t.weight:g}" for t in self.rewards) or "the reward model alone"
-        return "\n".join([*(r.summary() for r in self.reports), f"rewards: {terms}"])
+        lines = [*(r.summary() for r in self.reports), f"rewards: {terms}"]
+        if self.agent is not None:
+            factory = self.agent.environment
+            environment = "none" if factory is None else getattr(factory, "__qualname__", repr(factory))
+            limits = self.agent.limits
+            lines.append(
+                f"multi-turn: tools {[t.name for t in self.agent.tools]}, environment {environment}, at most "
+                f"{limits.max_turns} turns, {limits.tool_parser} tool calls, {limits.call_timeout:g} s per call"
+            )
+        return "\n".join(lines)
 
 
 def load_run_data(
@@ -51,19 +66,32 @@ def load_run_data(
     prompts: PromptInput | None = None,
     val_prompts: PromptInput | None = None,
     reward_fn: Any = None,
+    tools: list[Any] | None = None,
+    environment: Any = None,
 ) -> RunData:
-    """The checked prompts and rewards of ``config`` (``prompts``/``val_prompts``/``reward_fn`` from Python
-    replace or join them); relative paths are looked up in ``base_dir`` (the TOML file's folder), then the CWD.
+    """The checked prompts, rewards, tools and environment of ``config`` (``prompts``/``val_prompts``/``reward_fn``/
+    ``tools``/``environment`` from Python replace or join them); relative paths are looked up in ``base_dir`` (the
+    TOML file's folder), then the CWD.
 
     model="tiny" without data files or prompts trains on the bundled addition task, scored by
-    ``addition_reward`` unless rewards are given.
+    ``addition_reward`` unless rewards are given. model="tiny-agent" without them trains on the bundled product
+    task (rlkit.data.agent_tasks): the calculator tool unless tools or an environment are given, scored by
+    ``answer_reward`` unless rewards are given.
 
     Raises:
         ConfigError: every problem of the data and the rewards at once, each naming the setting and the fix.
     """
-    train, train_report, fields, problems = _train_source(config, tokenizer, base_dir, prompts)
+    if prompts is None and not config.data.train_files and config.model == "tiny-agent":
+        prompts, tools, reward_fn = _bundled_agent_task(config, tools, environment, reward_fn)
+    agent, problems = collect_agent(config, tokenizer, base_dir=base_dir, tools=tools, environment=environment)
+    schemas = None if agent is None else agent.schemas
+    train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas)
+    problems += train_problems
     val, val_report = None, None
-    if val_prompts is not None or config.data.val_files:
+    if agent is not None and (val_prompts is not None or config.data.val_files):
+        problems.append("validation prompts with tools or an environment: multi-turn validation is not supported "
+                        "yet; leave data.val_files empty (and val_prompts unset)")  # fmt: skip
+    elif val_prompts is not None or config.data.val_files:
         val, val_report, val_problems = collect_prompts(
             config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
             base_dir=base_dir, split="val", prompts=val_prompts,
@@ -77,17 +105,42 @@ def load_run_data(
     if fields is None and val_report is not None:
         fields = val_report.fields
     task = prompts is None and not config.data.train_files and config.model == "tiny"
-    rewards, reward_problems = _rewards(config, base_dir, fields, reward_fn, task=task)
+    if agent is not None and fields is not None:
+        problems += _agent_field_problems(fields)
+        fields = [*fields, *AGENT_FIELDS]
+    scored = agent is not None and agent.environment is not None
+    rewards, reward_problems = _rewards(config, base_dir, fields, reward_fn, task=task, scored=scored)
     problems += reward_problems
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a problem both splits share is reported once
     assert train is not None
     reports = [r for r in (train_report, val_report) if r is not None]
-    return RunData(train=train, val=val, rewards=rewards, reports=reports)
+    return RunData(train=train, val=val, rewards=rewards, reports=reports, agent=agent)
+
+
+def _bundled_agent_task(
+    config: RLConfig, tools: list[Any] | None, environment: Any, reward_fn: Any
+) -> tuple[list[dict[str, Any]], list[Any] | None, Any]:
+    """model="tiny-agent" without data: the product prompts, the calculator unless tools or an environment are
+    given, and ``answer_reward`` unless rewards are."""
+    prompts = agent_tasks.product_prompts(AGENT_TASK_PROMPTS, config.seed)
+    tools = tools if tools or environment is not None or config.tools else [agent_tasks.calculator]
+    reward_fn = reward_fn if reward_fn is not None or config.rewards else agent_tasks.answer_reward
+    return prompts, tools, reward_fn
+
+
+def _agent_field_problems(fields: list[str]) -> list[str]:
+    clashes = [f for f in fields if f in AGENT_FIELDS]
+    return [f"the data has the column(s) {clashes}, which a multi-turn run gives its reward functions (the "
+            "conversation, the environment's reward); rename them"] if clashes else []  # fmt: skip
 
 
 def _train_source(
-    config: RLConfig, tokenizer: Any, base_dir: str | Path | None, prompts: PromptInput | None
+    config: RLConfig,
+    tokenizer: Any,
+    base_dir: str | Path | None,
+    prompts: PromptInput | None,
+    tools: list[Any] | None,
 ) -> tuple[PromptSource | None, PromptReport | None, list[str] | None, list[str]]:
     """(source, report, fields, problems); the bundled task has no report; fields are None when unknown."""
     if prompts is None and not config.data.train_files:
@@ -99,15 +152,22 @@ def _train_source(
         ]
     source, report, problems = collect_prompts(
         config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
-        base_dir=base_dir, split="train", prompts=prompts,
+        base_dir=base_dir, split="train", prompts=prompts, tools=tools,
     )
     return source, report, report.fields if report is not None else None, problems
 
 
 def _rewards(
-    config: RLConfig, base_dir: str | Path | None, fields: list[str] | None, reward_fn: Any, *, task: bool
+    config: RLConfig,
+    base_dir: str | Path | None,
+    fields: list[str] | None,
+    reward_fn: Any,
+    *,
+    task: bool,
+    scored: bool = False,
 ) -> tuple[list[WeightedReward], list[str]]:
-    """The reward terms and their problems; signatures are checked against the fields when they are known."""
+    """The reward terms and their problems; signatures are checked against the fields when they are known.
+    ``scored``: the run has a reward besides these (an environment's), so it may have no reward function."""
     python_terms = reward_terms(reward_fn) if reward_fn is not None else []
     problems = [f"reward_fn {t.name!r}: {p}" for t in python_terms for p in signature_problems(t.fn, fields)]
     named, named_problems = collect_rewards(config.rewards, base_dir, fields)
@@ -119,7 +179,7 @@ def _rewards(
         problems.append(f"reward_fn and [[rewards]] both have a term named {clashes}: rename one")
     if not terms and task and not config.reward_model.path:
         terms = [WeightedReward("addition_reward", addition_reward, 1.0)]
-    if not terms and not config.rewards and not config.reward_model.path:  # a failed [[rewards]] is named above
+    if not terms and not config.rewards and not config.reward_model.path and not scored:  # failed ones named above
         problems.append(
             'no reward: add [[rewards]] function = "my_rewards.py:correct" to the config, pass reward_fn, '
             "or set reward_model.path"

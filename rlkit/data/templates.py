@@ -6,13 +6,14 @@ from typing import Any
 
 
 def render_prompts(
-    values: list[Any], tokenizer: Any, chat_template: bool | None, prompt_key: str
+    values: list[Any], tokenizer: Any, chat_template: bool | None, prompt_key: str, tools: list[Any] | None = None
 ) -> tuple[list[str], bool, list[str]]:
     """The text the model sees for each value of the prompt column.
 
     A value is a string or a list of ``{"role": str, "content": str}`` messages; the column
     must hold one kind. Messages (and strings, with ``chat_template=True``, as one user
-    message) go through ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``.
+    message) go through ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``,
+    with ``tools`` (the tools' JSON schemas of a multi-turn run) when given.
 
     Returns (texts, templated, problems): ``templated`` says whether the chat template was applied.
     """
@@ -34,12 +35,20 @@ def render_prompts(
             '"chat_template" to its tokenizer_config.json (or a chat_template.jinja file beside it), '
             "or give plain-text prompts with data.chat_template = false"
         ]
-    messages = [[{"role": "user", "content": v}] if isinstance(v, str) else v for v in values]
+    messages = [as_messages(v) for v in values]
     try:
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+        texts = [
+            tokenizer.apply_chat_template(m, tools=tools or None, add_generation_prompt=True, tokenize=False)
+            for m in messages
+        ]
     except Exception as exc:  # noqa: BLE001 - a template that fails on the data is reported, not raised
         return [], True, [f"the tokenizer's chat template failed on the prompts: {type(exc).__name__}: {exc}"]
     return texts, True, []
+
+
+def as_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A prompt as chat messages: a string becomes one user message."""
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
 
 def _column_kind(values: list[Any], prompt_key: str) -> tuple[str, list[str]]:

@@ -12,11 +12,11 @@ from rlkit.models.head import install_response_head
 
 
 def resolve_model_dir(model: str) -> Path:
-    """ "tiny" -> the bundled model's folder; anything else must be a local Hugging Face directory."""
-    if model == "tiny":
-        from rlkit.models.tiny import TINY_MODEL_DIR
+    """ "tiny" or "tiny-agent" -> the bundled model's folder; anything else must be a local Hugging Face directory."""
+    from rlkit.models.tiny import BUNDLED_MODELS
 
-        return TINY_MODEL_DIR
+    if model in BUNDLED_MODELS:
+        return BUNDLED_MODELS[model]
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(

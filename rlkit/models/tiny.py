@@ -13,3 +13,12 @@ from pathlib import Path
 
 TINY_MODEL_DIR: Path = Path(__file__).resolve().parent / "tiny"
 """Hugging Face model folder (config, generation config, safetensors, tokenizer) of the bundled tiny policy."""
+TINY_AGENT_DIR: Path = Path(__file__).resolve().parent / "tiny_agent"
+"""The bundled tiny agent (``model="tiny-agent"``): a 3-layer Qwen2 with a chat template that lists tools, pre-trained
+on the multi-turn tasks of :mod:`rlkit.data.agent_tasks` (calling the calculator in the Hermes format on about a
+third of the products, guessing the others; guess-the-number by noisy bisection). Rebuild it with
+
+    python scripts/build_tiny_agent.py --out rlkit/models/tiny_agent --seed 0
+"""
+BUNDLED_MODELS: dict[str, Path] = {"tiny": TINY_MODEL_DIR, "tiny-agent": TINY_AGENT_DIR}
+"""The model names that need no directory: the bundled models' folders."""

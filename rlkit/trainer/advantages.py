@@ -7,12 +7,20 @@ import torch
 from rlkit.algos import AdvantageFn, AdvantageInputs, compute_advantages, kl_reward_penalty, outcome_token_rewards
 from rlkit.config import RLConfig
 from rlkit.data.batch import Batch
+from rlkit.trainer.agentic import ENVIRONMENT_TERM, turn_token_rewards
 
 
 def advantage_inputs(batch: Batch, config: RLConfig) -> AdvantageInputs:
     """What the estimator sees: each reward on its sequence's last token, minus ``kl_coef`` times the
-    per-token KL to the reference when ``kl_mode == "reward"``, plus the rollout-time values (PPO)."""
-    token_rewards = outcome_token_rewards(batch.filled("rewards"), batch.response_mask)
+    per-token KL to the reference when ``kl_mode == "reward"``, plus the rollout-time values (PPO). With
+    ``agent.turn_rewards`` an environment's rewards sit on the last model token of each turn instead."""
+    rewards = batch.filled("rewards")
+    turn_rewards = None
+    if config.agent.turn_rewards and ENVIRONMENT_TERM in batch.reward_terms:
+        rewards, turn_rewards = rewards - batch.reward_terms[ENVIRONMENT_TERM], turn_token_rewards(batch)
+    token_rewards = outcome_token_rewards(rewards, batch.response_mask)
+    if turn_rewards is not None:
+        token_rewards = token_rewards + turn_rewards
     if config.kl_mode == "reward" and batch.ref_logprobs is not None:
         token_rewards = kl_reward_penalty(
             token_rewards,

@@ -9,6 +9,8 @@ import torch
 
 from rlkit.algos import mask_truncated
 from rlkit.data.batch import Batch
+from rlkit.data.loading import PROMPT_MESSAGES
+from rlkit.data.trajectories import Trajectory
 from rlkit.workers import CriticRows, PolicyRows, PreferenceRows, RolloutResult
 
 
@@ -42,14 +44,18 @@ def assemble_batch(
     g = group_size
     response_ids = torch.cat([r.response_ids for r in results])
     response_mask = torch.cat([r.response_mask for r in results])
+    attended = torch.cat([r.response_mask.long() if r.response_attention is None else r.response_attention
+                          for r in results])  # fmt: skip
     old = [r.old_logprobs for r in results]
     ref = [r.ref_logprobs for r in results]
-    fields = {k: [item[k] for item in items for _ in range(g)] for k in items[0] if k != "prompt"}
+    keys = [k for k in items[0] if k not in ("prompt", PROMPT_MESSAGES)]
+    fields = {k: [item[k] for item in items for _ in range(g)] for k in keys}
+    trajectories = None if results[0].trajectories is None else [t for r in results for t in r.trajectories or []]
     return Batch(
         prompts=[item["prompt"] for item in items for _ in range(g)],
-        completions=tokenizer.batch_decode(response_ids, skip_special_tokens=True),
+        completions=_completions(tokenizer, response_ids, trajectories),
         input_ids=torch.cat([prompt_ids.repeat_interleave(g, dim=0), response_ids], dim=1),
-        attention_mask=torch.cat([prompt_mask.repeat_interleave(g, dim=0), response_mask.long()], dim=1),
+        attention_mask=torch.cat([prompt_mask.repeat_interleave(g, dim=0), attended], dim=1),
         response_mask=response_mask,
         rollout_logprobs=torch.cat([r.rollout_logprobs for r in results]),
         rollout_logprob_rows=torch.cat([r.rollout_logprob_rows for r in results]),
@@ -59,7 +65,19 @@ def assemble_batch(
         rank=torch.cat([torch.full((len(r.response_ids),), i) for i, r in enumerate(results)]),
         finish_reason=[reason for r in results for reason in r.finish_reason],
         fields=fields,
+        turn_index=None if trajectories is None else torch.cat([t for r in results if (t := r.turn_index) is not None]),
+        trajectories=trajectories,
     )
+
+
+def _completions(tokenizer: Any, response_ids: torch.Tensor, trajectories: list[Trajectory] | None) -> list[str]:
+    """Each completion's text, or each trajectory's last model turn (what its reward functions judge), both without
+    special tokens."""
+    if trajectories is None:
+        return tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    last = [response_ids[i, t.turns[-1].start : t.turns[-1].end].tolist() if t.turns else []
+            for i, t in enumerate(trajectories)]  # fmt: skip
+    return tokenizer.batch_decode(last, skip_special_tokens=True)
 
 
 def policy_rows(shard: Batch, drop_truncated: bool, engine_logprobs: bool = True) -> PolicyRows:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from rlkit.algos import explained_variance, kl_estimate, masked_mean
 from rlkit.data.batch import Batch
+from rlkit.trainer.agentic import trajectory_metrics
 
 PHASES = ("rollout", "score", "advantages", "update")
 
@@ -30,7 +31,8 @@ def step_metrics(
     ``kl/mean`` is the k3 estimate of KL(policy || reference) per response token at rollout time
     (NaN without a reference: not measured), whichever estimator the loss or reward uses. ``gap_limit`` is
     ``rollout.max_logprob_gap``: ``rollout/logprob_gap/over_limit`` is 1 on the steps whose mean gap exceeded it
-    (the steps that logged the warning), else 0.
+    (the steps that logged the warning), else 0. Response lengths count the model's tokens;
+    a multi-turn step adds ``agent/...`` (rlkit.trainer.agentic.trajectory_metrics).
     """
     lengths = batch.response_lengths.float()
     mask = batch.response_mask
@@ -44,6 +46,7 @@ def step_metrics(
         "response/stop_frac": sum(r == "stop" for r in batch.finish_reason) / len(batch),
         **_gap_metrics(batch, gap_limit),
         **_algorithm_metrics(batch),
+        **trajectory_metrics(batch),
         **update_metrics,
         "perf/tokens_per_s": (batch.attention_mask.sum().item()) / step_seconds,
         "perf/rollout_tokens_per_s": mask.sum().item() / max(worker_times.get("generate", 0.0), 1e-9),

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -31,7 +32,7 @@ from rlkit.data.files import PromptInput
 from rlkit.data.rewards import RewardError, RewardFn, WeightedReward, compute_rewards, reward_terms
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank, RoleGroup
-from rlkit.trainer import checkpoints
+from rlkit.trainer import agentic, checkpoints
 from rlkit.trainer.advantages import estimate_advantages
 from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tokenize_prompts
 from rlkit.trainer.base import PolicyTrainerBase
@@ -56,6 +57,10 @@ class Trainer(PolicyTrainerBase):
     returns its result and changes nothing else, so a cell can be re-run or
     inspected; only :meth:`update` changes the models.
 
+    With ``tools`` (plain functions) or an ``environment`` (a class with ``reset(**fields)`` and ``step(text) ->
+    (observation, reward, done)``), or their ``[[tools]]``/``environment`` settings, a rollout is multi-turn: each
+    sample is a trajectory of model turns and the observations that answer them (see rlkit.rollout.episodes).
+
     ``advantage_fn(inputs: rlkit.algos.AdvantageInputs) -> (advantages, returns)``, both [B, T],
     replaces the config's estimator; ``policy_loss_fn(new_logprobs, old_logprobs, advantages,
     response_mask) -> (loss, clipped)``, all [B, T] per token, replaces PPO's clipped surrogate
@@ -75,15 +80,18 @@ class Trainer(PolicyTrainerBase):
         val_prompts: PromptInput | None = None,
         advantage_fn: AdvantageFn | None = None,
         policy_loss_fn: PolicyLossFn | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        environment: Callable[[], Any] | None = None,
     ):
         config.check_cluster(cluster.world_size, cluster.device, nodes=list(cluster.status()["host"]))
         self.config: RLConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
-        run = load_run_data(config, self.tokenizer, prompts=prompts, val_prompts=val_prompts, reward_fn=reward_fn)
+        run = load_run_data(config, self.tokenizer, prompts=prompts, val_prompts=val_prompts, reward_fn=reward_fn,
+                            tools=list(tools or []), environment=environment)  # fmt: skip
         self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", run.summary())
-        self._prompts, self._val, self._rewards = run.train, run.val, run.rewards
+        self._prompts, self._val, self._rewards, self.agent = run.train, run.val, run.rewards, run.agent
         self._position = self._prompts.state_dict()
         """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
         self._advantage_fn = advantage_fn
@@ -91,7 +99,7 @@ class Trainer(PolicyTrainerBase):
         findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
         if findings.items:
             logger.warning("%s", findings)
-        self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn)
+        self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn, self.agent)
         self._critic: RoleGroup[CriticWorker] | None = None
         if isinstance(config, PPOConfig):
             critic_dir = resolve_model_dir(config.critic.model) if config.critic.model else self.model_dir
@@ -144,11 +152,14 @@ class Trainer(PolicyTrainerBase):
             raise
         ranks = self.cluster.world_size
         seeds = [cfg.seed * 1_000_003 + self.steps_done * ranks + refill * 7_919_111 + r for r in range(ranks)]
+        per_rank = len(items) // ranks
+        episodes = None if self.agent is None else agentic.episode_inputs(items)
         results = self._policy.call(
             PolicyWorker.rollout,
             PerRank(list(prompt_ids.chunk(ranks))),
             PerRank(list(prompt_mask.chunk(ranks))),
             PerRank(seeds),
+            PerRank([None if episodes is None else episodes[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]),
         )
         batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
         batch.group += refill * cfg.prompts_per_step
@@ -177,11 +188,15 @@ class Trainer(PolicyTrainerBase):
             scored["reward_model"] = (torch.tensor(scores), self.config.reward_model.weight)
         cfg = self.config
         if cfg.overlong_buffer:  # DAPO's soft overlong punishment, a reward term of its own
-            lengths = batch.response_lengths
+            lengths = batch.trajectory_lengths  # what the budget counts: a trajectory's observations too
             penalty = overlong_penalty(lengths, max_new_tokens=cfg.rollout.max_new_tokens, buffer=cfg.overlong_buffer,
                                        penalty=cfg.overlong_penalty)  # fmt: skip
             scored["overlong"] = (penalty, 1.0)
-        total, by_name = compute_rewards(self._rewards, batch.prompts, batch.completions, batch.fields, scored=scored)
+        fields = batch.fields
+        if self.agent is not None:  # the conversations, the environment's rewards (and their own term)
+            fields, environment = agentic.reward_inputs(batch, self.agent.environment is not None)
+            scored.update(environment)
+        total, by_name = compute_rewards(self._rewards, batch.prompts, batch.completions, fields, scored=scored)
         batch.rewards, batch.reward_terms = total, by_name
         self._phase_times["score"] = time.perf_counter() - start
         return batch
@@ -361,12 +376,15 @@ class Trainer(PolicyTrainerBase):
         val_prompts: PromptInput | None = None,
         advantage_fn: AdvantageFn | None = None,
         policy_loss_fn: PolicyLossFn | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        environment: Callable[[], Any] | None = None,
     ) -> Trainer:
         """A trainer continuing from a checkpoint (``path`` itself or the latest complete one under it).
 
         Weights (actor and critic), optimizers, schedules, RNG, step count, prompt position and history
         are restored; functions and Python data are not stored, so pass reward_fn, prompts, val_prompts,
-        advantage_fn and policy_loss_fn again unless the run used the config's (files, [[rewards]]) or defaults.
+        advantage_fn, policy_loss_fn, tools and environment again unless the run used the config's (files,
+        [[rewards]], [[tools]], environment) or defaults.
         ``config``: the run's settings (default: the checkpoint's), e.g. with more ``steps``; ``fit()`` then runs
         the steps left to ``config.steps``. The trainer writes into the config's ``output_dir``: the same run folder.
         """
@@ -380,6 +398,8 @@ class Trainer(PolicyTrainerBase):
             val_prompts=val_prompts,
             advantage_fn=advantage_fn,
             policy_loss_fn=policy_loss_fn,
+            tools=tools,
+            environment=environment,
         )
         trainer._policy.call(PolicyWorker.load, str(checkpoint))
         if trainer._critic is not None:

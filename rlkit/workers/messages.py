@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkit.data.trajectories import Trajectory
 from rlkit.workers.phases import PhaseReport
 
 
@@ -30,7 +31,13 @@ class RolloutResult(PhaseReport):
     ref_logprobs: torch.Tensor | None
     """[N*G, T] under the frozen reference (None without a KL term)."""
     finish_reason: list[str]
-    """N*G values, "stop" or "length"."""
+    """N*G values, "stop" or "length" (trajectories: also rlkit.config.agent.FINISH_REASONS)."""
+    response_attention: torch.Tensor | None = None
+    """[N*G, T] int64 (trajectories): 1 on the model's and the observations' tokens; None: ``response_mask``."""
+    turn_index: torch.Tensor | None = None
+    """[N*G, T] int64 (trajectories): each token's turn, -1 on padding."""
+    trajectories: list[Trajectory] | None = None
+    """N*G per-trajectory records (trajectories)."""
 
 
 @dataclass(kw_only=True)

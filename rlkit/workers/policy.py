@@ -26,12 +26,16 @@ from rlkit.algos import (
     policy_objective,
 )
 from rlkit.config import RLConfig
+from rlkit.data.agents import Agent
+from rlkit.data.chat import ChatRenderer
 from rlkit.diagnostics.rescore import Rescored
 from rlkit.fsdp import iter_full_params, param_dtype
 from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
 from rlkit.rollout import SamplingParams, build_engine
+from rlkit.rollout.base import Generation
+from rlkit.rollout.episodes import EpisodeInput, Episodes, run_episodes
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.batches import PolicyRows, Rows, global_counts, micro_batches, mini_batches
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
@@ -44,7 +48,14 @@ logger = logging.getLogger(__name__)
 class PolicyWorker(ActorRole):
     """One rank's share of the policy: sharded actor + optimizer, sharded reference, whole rollout engine."""
 
-    def __init__(self, config: RLConfig, model_dir: str | Path, policy_loss_fn: PolicyLossFn | None = None):
+    def __init__(
+        self,
+        config: RLConfig,
+        model_dir: str | Path,
+        policy_loss_fn: PolicyLossFn | None = None,
+        agent: Agent | None = None,
+    ):
+        """``agent``: the tools, environment and limits of a multi-turn run (None: single-turn completions)."""
         super().__init__(
             model_dir,
             seed=config.seed,
@@ -57,6 +68,8 @@ class PolicyWorker(ActorRole):
         )
         self.config = config
         tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
+        self.agent = agent
+        self.renderer = None if agent is None else ChatRenderer(tokenizer, agent.schemas)
         self.engine = build_engine(
             config.rollout,
             self.model_dir,
@@ -94,12 +107,15 @@ class PolicyWorker(ActorRole):
 
     # -- the phases of a step ------------------------------------------------------------------
 
-    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seed: int) -> RolloutResult:
+    def rollout(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seed: int, episodes: list[EpisodeInput] | None = None
+    ) -> RolloutResult:
         """Generate ``group_size`` completions of this rank's prompts, then score them with the actor and reference.
 
         Args:
             prompt_ids, prompt_mask: [N, P] left-padded prompts of this rank.
             seed: the sampling seed of this rank and step.
+            episodes: a multi-turn run's N prompts as messages and fields: trajectories instead of completions.
         """
         cfg = self.config
         self.clock.start()
@@ -114,12 +130,13 @@ class PolicyWorker(ActorRole):
         )
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         with self.clock.timed("generate"):
-            gen = self.engine.generate(prompt_ids, prompt_mask, params)
+            gen = self._generate(prompt_ids, prompt_mask, params, episodes)
         self.memory.mark("rollout")
         with self.clock.timed("engine_sleep"):
             self.engine.sleep()  # hybrid engine: free its memory for the actor until the next sync
+        attended = gen.response_attention if isinstance(gen, Episodes) else gen.response_mask.long()
         input_ids = torch.cat([prompt_ids.repeat_interleave(cfg.group_size, dim=0), gen.response_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask.repeat_interleave(cfg.group_size, dim=0), gen.response_mask.long()], 1)
+        attention_mask = torch.cat([prompt_mask.repeat_interleave(cfg.group_size, dim=0), attended], 1)
         old_logprobs = ref_logprobs = None
         if cfg.recompute_logprobs:
             with self.clock.timed("logprobs"):
@@ -139,7 +156,23 @@ class PolicyWorker(ActorRole):
             finish_reason=gen.finish_reason,
             times=dict(self.clock.times),
             memory_mb=self.memory.memory_mb(),
+            **_trajectory_fields(gen),
         )
+
+    def _generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, episodes: list | None
+    ) -> Generation:
+        """The engine's completions, or with ``episodes`` the trajectories of a multi-turn run (their loop's own
+        times join this call's)."""
+        if episodes is None:
+            return self.engine.generate(prompt_ids, prompt_mask, params)
+        if self.agent is None or self.renderer is None:
+            raise ValueError("trajectories need the worker's agent: build PolicyWorker with agent=...")
+        first_row = self.rank * len(prompt_ids) * params.n
+        gen = run_episodes(self.engine, self.renderer, self.agent, episodes, prompt_ids, prompt_mask, params,
+                           first_row=first_row)  # fmt: skip
+        self.clock.times.update(gen.times)
+        return gen
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> SampleResult:
         """Completions of this rank's prompts ([N, P], left-padded; N may be 0) under ``params``, nothing else:
@@ -288,6 +321,17 @@ class PolicyWorker(ActorRole):
         """Stop the rollout engine (and any processes it owns)."""
         super().close()
         self.engine.close()
+
+
+def _trajectory_fields(gen: Generation) -> dict:
+    """What a trajectory adds to a RolloutResult (nothing for completions)."""
+    if not isinstance(gen, Episodes):
+        return {}
+    return {
+        "response_attention": gen.response_attention.cpu(),
+        "turn_index": gen.turn_index.cpu(),
+        "trajectories": gen.trajectories,
+    }
 
 
 def _keeps_unsharded(config: RLConfig, model: torch.nn.Module, world_size: int, device: torch.device) -> bool:

@@ -1,0 +1,80 @@
+"""Multi-turn settings: ``[[tools]]``, ``environment`` and the limits of a trajectory (``[agent]``).
+
+A run is multi-turn when it has tools (``[[tools]]`` or ``Trainer(tools=[...])``) or an environment
+(``environment = "file.py:Class"`` or ``Trainer(environment=Class)``). Whether the files import and the
+functions fit is checked by :func:`rlkit.data.load_run_data`, before launch, with the rest of the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlkit.config.checks import need
+
+TOOL_PARSERS = ("hermes", "mistral")
+"""How tool calls are read from a model turn (``agent.tool_parser``), see :mod:`rlkit.data.tools`."""
+FINISH_REASONS = {
+    "stop": "the model answered without calling a tool, or the environment ended the episode",
+    "length": "a model turn ran out of tokens (agent.max_turn_tokens or the trajectory's budget) before its "
+    "end-of-turn token; its text is not parsed for tool calls",
+    "max_turns": "agent.max_turns model turns were taken and the episode was not over (the last turn's tool "
+    "results or environment reply are recorded but not appended)",
+    "budget": "the next observation (tool results or the environment's reply) and one more model token do not "
+    "fit the trajectory's budget, rollout.max_new_tokens: it is recorded but not appended",
+    "env_error": "the environment raised or timed out (in reset or step); the trajectory stops there, its error "
+    "names the trajectory and turn",
+}
+"""The finish reasons of a trajectory and what each means. Failed tool calls (unparsable, unknown tool, bad
+arguments, an exception, a timeout) do not end a trajectory: the model reads an error message as the tool's
+result, and the call's ``status`` records what happened."""
+
+
+@dataclass(kw_only=True)
+class ToolSpec:
+    """One ``[[tools]]`` entry: a tool function named by file or module."""
+
+    function: str = ""
+    """``"path/to/file.py:name"`` (relative to the TOML file, then the working directory) or
+    ``"package.module:name"``; a function with type hints and a Google-style docstring (an ``Args:`` line per
+    parameter), from which its JSON schema is made (``transformers.utils.get_json_schema``)."""
+
+    def problems(self, prefix: str = "tools") -> list[str]:
+        where, _, attr = self.function.rpartition(":")
+        return (
+            []
+            if where.strip() and attr.strip()
+            else [f'{prefix}.function="{self.function}": write "my_tools.py:calculator" or "package.module:calculator"']
+        )
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """The limits of a multi-turn trajectory (``[agent]``); each limit has its finish reason
+    (:data:`FINISH_REASONS`). The trajectory's token budget after the prompt (model and observation tokens
+    together) is ``rollout.max_new_tokens``, the response width of the batch."""
+
+    max_turns: int = 4
+    """Model turns per trajectory at most, >= 1 (finish reason "max_turns")."""
+    max_turn_tokens: int = 0
+    """Tokens one model turn may sample at most (finish reason "length"); 0: what is left of the budget."""
+    call_timeout: float = 10.0
+    """Seconds a tool call or an environment's reset or step may take, > 0. A call past it gets status
+    "timeout" (the model reads an error); an environment past it ends the trajectory ("env_error"). Python
+    cannot stop a thread: the late call runs on in the background and its result is dropped."""
+    tool_parser: str = "hermes"
+    """How tool calls are found in a model turn: "hermes" (Qwen, Hermes: ``<tool_call>{json}</tool_call>``) or
+    "mistral" (``[TOOL_CALLS]`` then a JSON list); each call is ``{"name": ..., "arguments": {...}}``."""
+    turn_rewards: bool = False
+    """Put each environment step's reward on the last model token of its turn (for the per-token estimators:
+    "reinforce++", "gae") instead of summing them onto the trajectory's last model token. The group estimators
+    (GRPO, RLOO) see each trajectory's sum either way."""
+
+    def problems(self, prefix: str = "agent") -> list[str]:
+        p: list[str] = []
+        need(p, self.max_turns >= 1, f"{prefix}.max_turns={self.max_turns}: must be >= 1")
+        need(p, self.max_turn_tokens >= 0, f"{prefix}.max_turn_tokens={self.max_turn_tokens}: must be >= 0 (0 = the "
+             "budget left)")  # fmt: skip
+        need(p, self.call_timeout > 0, f"{prefix}.call_timeout={self.call_timeout}: must be > 0 seconds, e.g. 10")
+        need(p, self.tool_parser in TOOL_PARSERS, f'{prefix}.tool_parser="{self.tool_parser}": use one of '
+             f"{TOOL_PARSERS}")  # fmt: skip
+        return p

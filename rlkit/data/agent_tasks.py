@@ -1,0 +1,75 @@
+"""The bundled multi-turn tasks of ``model="tiny-agent"``: products with a calculator tool, and guess-the-number.
+
+- Products: a prompt such as ``"482*37"`` (3-digit times 2-digit). The tiny model cannot multiply, but it
+  was pre-trained (``scripts/build_tiny_agent.py``) to call :func:`calculator` in the Hermes format now
+  and then and to copy its result into the answer; otherwise it guesses. :func:`answer_reward` pays the
+  exact product, so RL raises the share of trajectories that call the tool, and the reward with it.
+- Guess-the-number (:class:`GuessNumber`): an environment without tools; each model turn is a guess,
+  the environment answers "higher", "lower" or "correct" and pays 1 for the right number.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import re
+from typing import Any
+
+OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+GUESS_HIGH = 99
+"""Guess-the-number's secret is a whole number in 1..GUESS_HIGH."""
+GUESS_PROMPT = f"guess 1-{GUESS_HIGH}"
+
+
+def calculator(expression: str) -> str:
+    """Work out a whole-number arithmetic expression.
+
+    Args:
+        expression: two whole numbers joined by +, - or *, e.g. "482*37".
+    """
+    match = re.fullmatch(r"\s*(\d{1,9})\s*([-+*])\s*(\d{1,9})\s*", expression)
+    if match is None:
+        raise ValueError(f"calculator takes two whole numbers joined by +, - or *, got {expression!r}")
+    a, op, b = match.groups()
+    return str(OPERATIONS[op](int(a), int(b)))
+
+
+def product_prompts(n: int, seed: int, *, digits: tuple[int, int] = (3, 2)) -> list[dict[str, Any]]:
+    """``n`` rows ``{"prompt": [user message "a*b"], "answer": "a*b"}``; ``a`` and ``b`` have ``digits`` digits."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for d in digits)
+        rows.append({"prompt": [{"role": "user", "content": f"{a}*{b}"}], "answer": str(a * b)})
+    return rows
+
+
+def answer_reward(prompts: list[Any], completions: list[str], *, answer: list[str], **fields: Any) -> list[float]:
+    """1.0 where the final answer (the last model turn's text, stripped) is ``answer``, else 0.0."""
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+
+
+def guess_prompts(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows ``{"prompt": [user message "guess 1-99"], "secret": "<1..99>"}`` for :class:`GuessNumber`."""
+    rng = random.Random(seed)
+    return [
+        {"prompt": [{"role": "user", "content": GUESS_PROMPT}], "secret": str(rng.randint(1, GUESS_HIGH))}
+        for _ in range(n)
+    ]
+
+
+class GuessNumber:
+    """Guess the secret number: each turn's first whole number is the guess; the reply is "higher" (the secret
+    is larger), "lower" or "correct" (reward 1, done). A turn without a number gets "say a number"."""
+
+    def reset(self, *, secret: str, **fields: Any) -> None:
+        self.secret = int(secret)
+
+    def step(self, text: str) -> tuple[str, float, bool]:
+        found = re.search(r"\d+", text)
+        if found is None:
+            return "say a number", 0.0, False
+        guess = int(found.group())
+        if guess == self.secret:
+            return "correct", 1.0, True
+        return ("higher" if guess < self.secret else "lower"), 0.0, False

@@ -1,0 +1,121 @@
+"""Token in, token out: the ids a multi-turn trajectory appends after each model turn, and the drift check.
+
+The model's own tokens are never re-tokenised. After a model turn (the engine's sampled ids, through the
+end-of-turn token), a trajectory appends the ids of what the chat template writes next: the rest of the
+closed turn, the observation's messages and the next generation prompt. They are found as a delta of two
+renders of a fixed stand-in conversation, so only the template's own tokens and the observation's text are
+tokenised. The boundary rule: the model's turn ends at its end-of-turn token (the tokenizer's eos, where
+the engine stops); whatever the template writes after that token (Qwen's "\\n" after ``<|im_end|>``)
+belongs to the observation, and is masked out of the loss with it.
+
+A template that is not append-only (one that rewrites earlier turns, e.g. drops their reasoning) or a model
+that samples a non-canonical tokenisation makes the ids differ from a re-render of the whole conversation:
+:meth:`ChatRenderer.drift` finds the first differing position and shows the context, and the trajectory
+trains on the ids the engine saw, never on the re-render.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STAND_IN = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+"""The conversation the observation deltas are rendered after (its content does not reach the deltas)."""
+CONTEXT = 10
+"""Tokens shown on each side of a drift."""
+
+
+class TemplateError(ValueError):
+    """The chat template cannot give token deltas (it is not append-only, or ends no assistant turn with eos)."""
+
+
+class ChatRenderer:
+    """The token deltas of a tokenizer's chat template, with the tools' schemas rendered into the prompt."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.stop_id: int = tokenizer.eos_token_id
+        self._stand_in: list[int] | None = None
+
+    def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+        """The template's text of ``messages`` (with the tools), and the next assistant turn's opening if asked."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def ids(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
+        text = self.render(messages, generation_prompt=generation_prompt)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def observation_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The ids to append after a model turn that ended with its end-of-turn token: the template's tokens after
+        that token, ``messages`` (tool results or the environment's reply), and the next generation prompt.
+
+        Raises:
+            TemplateError: the template rewrites the stand-in conversation when more messages follow, or does not
+                end its assistant turn with the eos token.
+        """
+        if self._stand_in is None:
+            self._stand_in = self.ids(STAND_IN, generation_prompt=False)
+        before = self._stand_in
+        after = self.ids([*STAND_IN, *messages], generation_prompt=True)
+        if after[: len(before)] != before:
+            raise TemplateError(
+                "the chat template is not append-only: the tokens of a conversation change when messages follow it "
+                f"(first at position {first_difference(before, after)}), so turns cannot be appended as token deltas"
+            )
+        if self.stop_id not in before:
+            raise TemplateError(
+                f"the chat template does not end an assistant turn with the eos token "
+                f"{self.tokenizer.convert_ids_to_tokens(self.stop_id)!r} (id {self.stop_id}), where the engine stops "
+                f"a turn: {self.render(STAND_IN, generation_prompt=False)!r}; set the tokenizer's eos_token to the "
+                "template's end-of-turn token (e.g. <|im_end|>)"
+            )
+        cut = len(before) - before[::-1].index(self.stop_id)  # just after the stand-in turn's eos
+        return after[cut:]
+
+    def drift(self, messages: list[dict[str, Any]], ids: list[int]) -> str:
+        """Where ``ids`` (a trajectory's prompt and response, token in / token out) stop matching the re-rendered
+        ``messages``; "" when they match. The re-render may run on past ``ids`` (the template closes the last turn)."""
+        rendered = self.ids(messages, generation_prompt=False)
+        at = first_difference(ids, rendered)
+        if at is None or at == len(ids):
+            return ""
+        decode = self.tokenizer.decode
+        lo = max(0, at - CONTEXT)
+        return (
+            f"token {at} of {len(ids)}: the trajectory has {decode(ids[at : at + 1])!r} where the re-rendered "
+            f"conversation has {decode(rendered[at : at + 1])!r}; after {decode(ids[lo:at])!r} the trajectory "
+            f"goes on {decode(ids[at : at + CONTEXT])!r}, the re-render {decode(rendered[at : at + CONTEXT])!r}"
+        )
+
+    def problems(self) -> list[str]:
+        """Why this template cannot run trajectories: no template, tools it does not show, no tool role, not
+        append-only, no eos at the end of an assistant turn."""
+        name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+        if not getattr(self.tokenizer, "chat_template", None):
+            return [f"tools and environments need a chat template, and the tokenizer of {name} has none: add "
+                    '"chat_template" to its tokenizer_config.json (or a chat_template.jinja beside it)']  # fmt: skip
+        messages: list[dict[str, Any]] = [{"role": "tool", "content": "3"}] if self.tools else []
+        messages.append({"role": "user", "content": "4"})
+        try:
+            self.observation_ids(messages)
+        except TemplateError as exc:
+            return [f"the chat template of {name}: {exc}"]
+        except Exception as exc:  # noqa: BLE001 - a template failing on the stand-in is reported
+            return [f"the chat template of {name} fails on tool or user messages after an assistant turn "
+                    f"({type(exc).__name__}: {exc})"]  # fmt: skip
+        bare = self.tokenizer.apply_chat_template(STAND_IN[:1], add_generation_prompt=True, tokenize=False)
+        if self.tools and self.render(STAND_IN[:1], generation_prompt=True) == bare:
+            return [f"the chat template of {name} ignores tools: the model would never see their schemas; use a "
+                    "template that renders `tools` (as Qwen's and Llama's do)"]  # fmt: skip
+        return []
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where ``a`` and ``b`` differ (the shorter one's length if one is a prefix of the other,
+    None if they are equal)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,122 @@
+"""What a multi-turn rollout records, per trajectory and per turn, beside the batch's tensors.
+
+Token positions are in response coordinates: column ``t`` of the batch's ``[B, T]`` tensors
+(``response_mask``, ``turn_index``, ...), counted from the end of the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+
+if TYPE_CHECKING:
+    from rlkit.data.batch import Batch
+
+CALL_STATUSES = ("ok", "unparsable", "unknown_tool", "bad_arguments", "error", "timeout")
+"""A tool call's outcome; every status but "ok" gives the model an error message as the call's result."""
+
+
+@dataclass(kw_only=True)
+class ToolCall:
+    """One tool call of a model turn and what came back."""
+
+    name: str
+    """The tool called ("" when the call could not be read)."""
+    arguments: dict[str, Any] | None
+    """The arguments as parsed (None when the call could not be read)."""
+    result: str
+    """The tool message's text: the tool's result, or the error the model reads."""
+    status: str
+    """One of :data:`CALL_STATUSES`."""
+    seconds: float = 0.0
+    """Wall time of the call (the timeout for one that timed out)."""
+
+
+@dataclass(kw_only=True)
+class Turn:
+    """One model turn and the observation that answered it."""
+
+    index: int
+    start: int
+    """First response column of the model's tokens."""
+    end: int
+    """One past the model's last token (its end-of-turn token included)."""
+    text: str
+    """The model's text, its end-of-turn token left out (other special tokens kept: what a re-render shows)."""
+    calls: list[ToolCall] = field(default_factory=list)
+    observation: str = ""
+    """The environment's reply, or the tool results, as the next turn's context shows them ("" when none)."""
+    observation_end: int = 0
+    """One past the observation's last token (== ``end`` when nothing was appended)."""
+    reward: float = 0.0
+    """The environment's reward for this turn (0 without an environment)."""
+    finish: str = ""
+    """How the turn ended: "tool_calls", "observation" (the environment replied) or the trajectory's finish reason."""
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One multi-turn episode: its conversation, its turns, how it ended, and any template drift."""
+
+    messages: list[dict[str, Any]]
+    """The whole conversation: the prompt's messages, then assistant, tool and user (environment) messages."""
+    turns: list[Turn]
+    finish_reason: str
+    """One of :data:`rlkit.config.agent.FINISH_REASONS`."""
+    error: str = ""
+    """Why the environment failed ("env_error"), naming the trajectory and turn; "" when it did not."""
+    drift: str = ""
+    """Where the token-in/token-out ids differ from the re-rendered conversation ("" when they agree)."""
+
+    @property
+    def env_reward(self) -> float:
+        """The environment's rewards summed over the turns."""
+        return sum(t.reward for t in self.turns)
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(len(t.calls) for t in self.turns)
+
+    @property
+    def failed_calls(self) -> int:
+        return sum(c.status != "ok" for t in self.turns for c in t.calls)
+
+
+def turns_frame(batch: Batch) -> pd.DataFrame:
+    """One row per turn of every trajectory: the model's text and tokens, its calls and their results, the
+    observation, the environment's reward, how it ended, and (when the batch has them) the turn's mean advantage
+    and mean |trainer - engine| log-prob gap over its model tokens."""
+    if batch.trajectories is None or batch.turn_index is None:
+        raise ValueError("this batch holds single-turn completions: it has no turns (run with tools or an environment)")
+    gap = batch.logprob_gap_tokens()
+    checked = batch.engine_checked()
+    rows = []
+    for i, trajectory in enumerate(batch.trajectories):
+        for turn in trajectory.turns:
+            model = (batch.turn_index[i] == turn.index) & (batch.response_mask[i] > 0)
+            rows.append({
+                "trajectory": i,
+                "group": int(batch.group[i]),
+                "turn": turn.index,
+                "text": turn.text,
+                "model_tokens": int(model.sum()),
+                "tool_calls": [c.name for c in turn.calls],
+                "call_status": [c.status for c in turn.calls],
+                "observation": turn.observation,
+                "env_reward": turn.reward,
+                "finish": turn.finish,
+                "error": trajectory.error if turn is trajectory.turns[-1] else "",
+                "advantage": _mean(batch.advantages, i, model),
+                "logprob_gap_mean": _mean(gap, i, model & checked[i]),
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _mean(values: torch.Tensor | None, row: int, where: torch.Tensor) -> float:
+    """The mean of ``values[row]`` over ``where`` ([T] bool); NaN when there is nothing to average."""
+    if values is None or not where.any():
+        return float("nan")
+    return float(values[row][where].mean())

@@ -1,0 +1,119 @@
+"""What follows a model turn: its tool calls run, or the environment steps; all of a turn's calls at once.
+
+:func:`act` takes every live trajectory's finished model turn and returns, for each, the messages the model
+reads next (tool results, or the environment's reply), the environment's reward, and whether the episode is
+over. Failed tool calls become error messages the model reads (the call's status says why); an environment
+that raises or times out ends its trajectory with the error, named by trajectory and turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlkit.data.agents import Agent
+from rlkit.data.envs import Environment, env_step
+from rlkit.data.tools import TOOL_PARSERS, ParsedCall, argument_problem, result_text
+from rlkit.data.trajectories import ToolCall
+from rlkit.rollout.calls import Outcome, run_all
+
+
+@dataclass(kw_only=True)
+class TurnInput:
+    """A live trajectory's finished model turn."""
+
+    name: str
+    """How errors name it: "trajectory <row>, turn <k>"."""
+    text: str
+    """The model's text, special tokens kept (what the tool-call parser reads)."""
+    clean: str
+    """The same without special tokens (what the environment's step reads)."""
+    environment: Environment | None
+
+
+@dataclass(kw_only=True)
+class Reaction:
+    """What answers one model turn."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The messages appended next: tool results, or the environment's reply (none when the episode is over)."""
+    observation: str = ""
+    """Their text, for the record (the environment's last reply too, which is not appended)."""
+    calls: list[ToolCall] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    """The episode is over: no call and no environment (the model answered), or the environment said so."""
+    error: str = ""
+    """The environment failed (the trajectory ends: finish reason "env_error")."""
+
+
+def act(agent: Agent, turns: list[TurnInput]) -> list[Reaction]:
+    """The reaction to every turn: each turn's tool calls (when the agent has tools and the turn made calls), else
+    its environment's step, else the end of the episode. All calls and steps run at once, each within
+    ``agent.limits.call_timeout`` seconds."""
+    parse = TOOL_PARSERS[agent.limits.tool_parser]
+    parsed = [parse(t.text) if agent.tools else [] for t in turns]
+    jobs: list[Callable[[], Any]] = []
+    owners: list[tuple[int, int]] = []  # (turn, call) of each job; call -1: the environment's step
+    for i, (turn, calls) in enumerate(zip(turns, parsed, strict=True)):
+        for j, call in enumerate(calls):
+            tool = agent.tool(call.name)
+            if not call.error and tool is not None and not argument_problem(tool, call.arguments or {}):
+                jobs.append(_tool_job(tool.fn, call.arguments or {}))
+                owners.append((i, j))
+        if not calls and turn.environment is not None:
+            jobs.append(_step_job(turn.environment, turn.clean))
+            owners.append((i, -1))
+    outcomes = dict(zip(owners, run_all(jobs, agent.limits.call_timeout), strict=True))
+    return [
+        _reaction(agent, turn, calls, i, outcomes) for i, (turn, calls) in enumerate(zip(turns, parsed, strict=True))
+    ]
+
+
+def _tool_job(fn: Callable[..., Any], arguments: dict[str, Any]) -> Callable[[], Any]:
+    return lambda: fn(**arguments)
+
+
+def _step_job(environment: Environment, text: str) -> Callable[[], Any]:
+    return lambda: env_step(environment, text)
+
+
+def _reaction(
+    agent: Agent, turn: TurnInput, calls: list[ParsedCall], i: int, outcomes: dict[tuple[int, int], Outcome]
+) -> Reaction:
+    """One turn's reaction from its parsed calls and the outcomes of the jobs it ran."""
+    if calls:
+        records = [_call_record(agent, call, outcomes.get((i, j))) for j, call in enumerate(calls)]
+        messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
+        return Reaction(messages=messages, observation="\n".join(r.result for r in records), calls=records)
+    step = outcomes.get((i, -1))
+    if step is None:  # no call, no environment: the model answered
+        return Reaction(done=True)
+    if step.timed_out or step.error is not None:
+        why = f"timed out after {step.seconds:g} s" if step.timed_out else f"{type(step.error).__name__}: {step.error}"
+        return Reaction(done=True, error=f"{turn.name}: the environment's step failed: {why}")
+    observation, reward, done = step.value
+    messages = [] if done else [{"role": "user", "content": observation}]
+    return Reaction(messages=messages, observation=observation, reward=reward, done=done)
+
+
+def _call_record(agent: Agent, call: ParsedCall, outcome: Outcome | None) -> ToolCall:
+    """The record of one call: what the model reads back and the call's status."""
+
+    def record(status: str, result: str, seconds: float = 0.0) -> ToolCall:
+        return ToolCall(name=call.name, arguments=call.arguments, status=status, result=result, seconds=seconds)
+
+    tool = agent.tool(call.name)
+    if call.error:
+        return record("unparsable", f"error: the tool call could not be read: {call.error}")
+    if tool is None:
+        return record("unknown_tool", f"error: no tool {call.name!r}; the tools are {[t.name for t in agent.tools]}")
+    problem = argument_problem(tool, call.arguments or {})
+    if problem or outcome is None:
+        return record("bad_arguments", f"error: {problem}")
+    if outcome.timed_out:
+        return record("timeout", f"error: {call.name} took longer than {outcome.seconds:g} s", outcome.seconds)
+    if outcome.error is not None:
+        return record("error", f"error: {call.name} raised {type(outcome.error).__name__}: {outcome.error}")
+    return record("ok", result_text(outcome.value), outcome.seconds)

@@ -1,0 +1,69 @@
+"""The controller's side of multi-turn runs: the workers' episode inputs, what reward functions and advantages see,
+and the trajectories' metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from rlkit.config.agent import FINISH_REASONS
+from rlkit.data.batch import Batch
+from rlkit.data.loading import PROMPT_MESSAGES
+from rlkit.rollout.episodes import EpisodeInput
+
+ENVIRONMENT_TERM = "environment"
+"""The reward term of an environment's rewards (each trajectory's sum over its turns), weight 1."""
+
+
+def episode_inputs(items: list[dict[str, Any]]) -> list[EpisodeInput]:
+    """Each prompt item's messages and its other fields (which the environment's reset gets)."""
+    return [
+        EpisodeInput(
+            messages=item[PROMPT_MESSAGES],
+            fields={k: v for k, v in item.items() if k not in ("prompt", PROMPT_MESSAGES)},
+        )
+        for item in items
+    ]
+
+
+def reward_inputs(batch: Batch, environment: bool) -> tuple[dict[str, list], dict[str, tuple[torch.Tensor, float]]]:
+    """The keyword fields a multi-turn run's reward functions get (the data's, the whole conversation as
+    ``messages``, the environment's summed rewards as ``env_reward``) and, with an environment, its reward term."""
+    trajectories = batch.trajectories or []
+    env_reward = [t.env_reward for t in trajectories]
+    fields = {**batch.fields, "messages": [t.messages for t in trajectories], "env_reward": env_reward}
+    scored = {ENVIRONMENT_TERM: (torch.tensor(env_reward, dtype=torch.float32), 1.0)} if environment else {}
+    return fields, scored
+
+
+def turn_token_rewards(batch: Batch) -> torch.Tensor:
+    """[B, T] each turn's environment reward on the last model token of its turn (0 elsewhere)."""
+    out = torch.zeros_like(batch.response_mask)
+    for i, trajectory in enumerate(batch.trajectories or []):
+        for turn in trajectory.turns:
+            if turn.end > turn.start:
+                out[i, turn.end - 1] += turn.reward
+    return out
+
+
+def trajectory_metrics(batch: Batch) -> dict[str, float]:
+    """``agent/...`` figures of a multi-turn step: turns, tool calls per trajectory, the share of trajectories with a
+    call that ran (``tool_use_frac``), the share of calls that failed, drift, finish reasons."""
+    trajectories = batch.trajectories
+    if not trajectories:
+        return {}
+    count = len(trajectories)
+    calls = sum(t.tool_calls for t in trajectories)
+    reasons = Counter(t.finish_reason for t in trajectories)
+    return {
+        "agent/turns/mean": sum(len(t.turns) for t in trajectories) / count,
+        "agent/tool_calls/mean": calls / count,
+        "agent/tool_use_frac": sum(t.tool_calls > t.failed_calls for t in trajectories) / count,  # a call that ran
+        "agent/failed_calls_frac": sum(t.failed_calls for t in trajectories) / max(calls, 1),
+        "agent/env_reward/mean": sum(t.env_reward for t in trajectories) / count,
+        "agent/drift_frac": sum(bool(t.drift) for t in trajectories) / count,
+        "agent/trajectory_length/mean": batch.trajectory_lengths.float().mean().item(),
+        **{f"agent/finish/{reason}_frac": reasons[reason] / count for reason in FINISH_REASONS},
+    }
