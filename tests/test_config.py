@@ -61,16 +61,16 @@ def test_tables_come_from_the_dataclasses_so_a_new_section_is_checked_without_a_
     from dataclasses import dataclass, field
 
     @dataclass(kw_only=True)
-    class ToolsConfig:
+    class SearchConfig:
         max_turns: int = 1
 
     @dataclass(kw_only=True)
-    class AgentConfig(GRPOConfig):
-        tools: ToolsConfig = field(default_factory=ToolsConfig)
+    class SearchingConfig(GRPOConfig):
+        search: SearchConfig = field(default_factory=SearchConfig)
 
-    assert AgentConfig.from_dict({"tools": {"max_turns": 3}}).tools == ToolsConfig(max_turns=3)
-    with pytest.raises(ConfigError, match=r"unknown setting tools.max_turn: did you mean tools.max_turns\?"):
-        AgentConfig.from_dict({"tools": {"max_turn": 3}})
+    assert SearchingConfig.from_dict({"search": {"max_turns": 3}}).search == SearchConfig(max_turns=3)
+    with pytest.raises(ConfigError, match=r"unknown setting search.max_turn: did you mean search.max_turns\?"):
+        SearchingConfig.from_dict({"search": {"max_turn": 3}})
 
 
 def test_earlier_layouts_are_read_with_a_warning_naming_the_new_place(caplog):

@@ -124,7 +124,7 @@ def test_units_are_kept_gathered_where_the_step_then_fits_with_room():
     tight = (kept + plain) / 2 / 0.9  # keeping them would leave less than 10% of this device free
     assert not dx.estimate_memory(SMALL, s, device_memory_gib=tight).keep_unsharded
     cfg = rlkit.GRPOConfig(prompts_per_step=2, group_size=2, micro_batch_size=2,
-                           rollout=rlkit.RolloutConfig(max_new_tokens=8, max_prompt_tokens=8))
+                           rollout=rlkit.RolloutConfig(max_new_tokens=8), data={"max_prompt_tokens": 8})
     assert dx.keeps_unsharded(cfg, SMALL, world_size=1, device_memory_gib=80, compute_dtype="bf16")
     assert not dx.keeps_unsharded(cfg, SMALL, world_size=1, device_memory_gib=tight, compute_dtype="bf16")
 
