@@ -67,8 +67,8 @@ def _shared_cluster(held: dict, device: str):
 
 
 def _forget_roles() -> None:
-    """On a worker: close every role instance (freeing rollout engines) and clear the rank's state, as a fresh
-    worker has it."""
+    """On a worker: close every role instance (freeing rollout engines) and clear the rank's state and memory
+    reports, as a fresh worker has them."""
     from rlkit.runtime import Role, context
 
     state = context().state
@@ -76,6 +76,7 @@ def _forget_roles() -> None:
         if isinstance(value, Role):
             value.close()
     state.clear()
+    context().memory_reports.clear()
     gc.collect()
 
 
