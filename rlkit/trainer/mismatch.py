@@ -13,6 +13,7 @@ import torch
 from rlkit.data.batch import Batch
 from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
 from rlkit.runtime import PerRank
+from rlkit.trainer import agentic
 from rlkit.trainer.assemble import assemble_batch, tokenize_prompts
 from rlkit.workers import PolicyWorker
 from rlkit.workers.batches import Rows
@@ -74,11 +75,14 @@ def side_rollout(trainer: Trainer, seed: int) -> Batch:
     prompt_ids, prompt_mask = tokenize_prompts(
         trainer.tokenizer, texts, cfg.data.max_prompt_tokens, trainer._prompts.add_special_tokens
     )
+    per_rank = len(items) // ranks
+    episodes = None if trainer.agent is None else agentic.episode_inputs(items)
     results = trainer._policy.call(
         PolicyWorker.rollout,
         PerRank(list(prompt_ids.chunk(ranks))),
         PerRank(list(prompt_mask.chunk(ranks))),
         PerRank([seed + r for r in range(ranks)]),
+        PerRank([None if episodes is None else episodes[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]),
     )
     return assemble_batch(trainer.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
 
