@@ -34,6 +34,13 @@ logger = logging.getLogger(__name__)
 SAMPLES_EVERY = 10
 """Trackers get the sample table of step 1 and of every SAMPLES_EVERY-th step."""
 
+@dataclasses.dataclass
+class Change:
+    """A phase that changes the models (:meth:`PolicyTrainerBase._changing_models`): did its role calls complete?"""
+
+    completed: bool = False
+
+
 _numbers = itertools.count(1)
 """The numbers that tell this process's trainers apart in messages (``Trainer #2``)."""
 
@@ -158,18 +165,18 @@ class PolicyTrainerBase(ABC):
                               f"part-way weights. {self._owner.hint}")
 
     @contextmanager
-    def _changing_models(self, phase: str) -> Iterator[None]:
+    def _changing_models(self, phase: str) -> Iterator[Change]:
         """Around a phase that changes the models: Stop waits for it to complete; if it ends early after some
-        rank's weights moved, the trainer needs a resume (:meth:`_check_usable` refuses what follows)."""
+        rank's weights moved, the trainer needs a resume (:meth:`_check_usable` refuses what follows). The block
+        sets ``change.completed`` once the roles' calls returned (what fails after is bookkeeping)."""
         self._check_usable()
         before = self._steps_begun()
-        completed = False
+        change = Change()
         try:
             with interrupts_held(phase):
-                yield
-                completed = True
+                yield change
         except BaseException as exc:
-            if not completed:
+            if not change.completed:
                 self._after_failure(phase, before, exc)
             raise
 

@@ -28,7 +28,7 @@ from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank, RoleGroup
 from rlkit.trainer import checkpoints
 from rlkit.trainer.assemble import preference_rows
-from rlkit.trainer.base import PolicyTrainerBase
+from rlkit.trainer.base import Change, PolicyTrainerBase
 from rlkit.trainer.metrics import memory_columns
 from rlkit.workers import PreferenceResult, PreferenceRows, PreferenceWorker
 
@@ -86,18 +86,19 @@ class PreferenceTrainer(PolicyTrainerBase):
         self._phase_times, self._worker_times = {}, {}
         position, done = self._examples.state_dict(), self.steps_done
         try:
-            with self._changing_models("step"):
-                row = self._step(self._examples.next(cfg.batch_size), start)
+            with self._changing_models("step") as change:
+                row = self._step(self._examples.next(cfg.batch_size), start, change)
         except BaseException:
             if self._needs_resume is None and self.steps_done == done:  # nothing moved: draw these examples again
                 self._examples.load_state_dict(position)
             raise
         return row
 
-    def _step(self, items: list[dict[str, Any]], start: float) -> dict[str, float]:
+    def _step(self, items: list[dict[str, Any]], start: float, change: Change) -> dict[str, float]:
         rows, mismatched = self._rank_rows(items)
         results = self._policy.call(PreferenceWorker.update, PerRank(rows), PerRank(mismatched))
-        self.steps_done += 1  # the weights moved: count it before anything else can fail
+        change.completed = True
+        self.steps_done += 1
         self._record("update", start, results)
         self._last = (items, results)
         norms = [r.metrics["actor/grad_norm"] for r in results]

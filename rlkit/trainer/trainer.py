@@ -239,9 +239,10 @@ class Trainer(PolicyTrainerBase):
             logger.warning("this batch already trained step %d: updating on it again applies its gradients twice "
                            "(for more passes over one batch, set ppo_epochs)", self.steps_done)
         self._warn_past_schedule()
-        with self._changing_models("update"):
+        with self._changing_models("update") as change:
             metrics = self._update_roles(batch)
-            self.steps_done += 1  # the models moved: count it before anything else can fail
+            change.completed = True
+            self.steps_done += 1
             self._position = self._prompts.state_dict()
             self.last_batch, self._trained = batch, weakref.ref(batch)
             seconds = sum(self._phase_times.values()) if step_start is None else time.perf_counter() - step_start
