@@ -240,3 +240,31 @@ def test_non_finite_gradients_skip_the_optimizer_step_and_are_counted(cluster):
     cluster.run(plant)
     row = trainer.step()  # the next rollout samples from finite weights, and the update steps again
     assert row["actor/skipped_steps"] == 0 and cluster.run(optimizer_state)[0]["begun"] == 2
+
+
+# -- the same guarantees for DPO/KTO ---------------------------------------------------------------
+
+
+def break_preference_losses() -> None:
+    """On a worker: the preference loss raises (before the step's only optimizer step)."""
+    from rlkit.workers.preference import PreferenceWorker
+
+    def raises(self, *args, **kwargs):
+        raise ValueError("planted failure in the preference loss")
+
+    PreferenceWorker._losses = raises
+
+
+@pytest.mark.timeout(240)
+def test_a_preference_step_that_fails_before_its_optimizer_step_changes_nothing(cluster):
+    dpo = rlkit.PreferenceTrainer(cluster, rlkit.DPOConfig(batch_size=2))
+    dpo.step()
+    position = dpo._examples.state_dict()
+    cluster.run(break_preference_losses)  # this cluster's last test: its PreferenceWorker stays broken
+    with pytest.raises(RemoteError, match="planted failure") as failed:
+        dpo.step()
+    assert "no weights changed" in "".join(failed.value.__notes__)
+    assert dpo.steps_done == 1 and dpo._examples.state_dict() == position, "the failed step's examples were lost"
+    grpo = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL))
+    with pytest.raises(RolesReplaced, match=f"{dpo.name} no longer holds its roles.*{grpo.name}"):
+        dpo.step()
