@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,16 +97,22 @@ class Trainer(PolicyTrainerBase):
         self._position = self._prompts.state_dict()
         """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
         self._advantage_fn = advantage_fn
+        self._draws = 0
+        """Rollouts drawn so far (refills and re-run cells included): each one's sampling seeds are its own."""
         self.last_batch: Batch | None = None
+        self._trained: weakref.ref[Batch] | None = None
+        """The batch of the last update (a second update on it is warned about)."""
         findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
         if findings.items:
             logger.warning("%s", findings)
-        self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn, self.agent)
+        owner = self._owner
+        self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn, self.agent,
+                                 owner=owner)  # fmt: skip
         self._critic: RoleGroup[CriticWorker] | None = None
         if isinstance(config, PPOConfig):
             critic_dir = resolve_model_dir(config.critic.model) if config.critic.model else self.model_dir
-            self._critic = RoleGroup(cluster, CriticWorker, config, str(critic_dir))
-        self._reward_model = ModelReward(cluster, config) if config.reward_model.path else None
+            self._critic = RoleGroup(cluster, CriticWorker, config, str(critic_dir), owner=owner)
+        self._reward_model = ModelReward(cluster, config, owner) if config.reward_model.path else None
 
     @property
     def rewards(self) -> list[WeightedReward]:
@@ -132,10 +140,7 @@ class Trainer(PolicyTrainerBase):
         Returns a Batch with completions, engine and trainer log-probs (the latter only after the
         update with ``recompute_logprobs=False``), reference log-probs, and the critic's values with PPO.
         """
-        return self._rollout(0)
-
-    def _rollout(self, refill: int) -> Batch:
-        """:meth:`rollout`; ``refill`` > 0 is dynamic sampling's extra draw of the step (own seeds and group ids)."""
+        self._check_usable()
         cfg = self.config
         start = time.perf_counter()
         position = self._prompts.state_dict()
@@ -151,7 +156,7 @@ class Trainer(PolicyTrainerBase):
             self._prompts.load_state_dict(position)
             raise
         ranks = self.cluster.world_size
-        seeds = [cfg.seed * 1_000_003 + self.steps_done * ranks + refill * 7_919_111 + r for r in range(ranks)]
+        seeds = self._draw_seeds()  # every rollout its own: a re-run cell or a refill samples anew
         per_rank = len(items) // ranks
         episodes = None if self.agent is None else agentic.episode_inputs(items)
         results = self._policy.call(
@@ -162,7 +167,6 @@ class Trainer(PolicyTrainerBase):
             PerRank([None if episodes is None else episodes[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]),
         )
         batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
-        batch.group += refill * cfg.prompts_per_step
         self._record("rollout", start, results)
         if self._critic is not None:
             values = self._critic.call(
@@ -212,14 +216,51 @@ class Trainer(PolicyTrainerBase):
         return batch
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One critic update (PPO) and one policy update on ``batch`` across all ranks, then the weight sync.
+        """One critic update (PPO) and one policy update on ``batch`` across all ranks, then the weight sync; this
+        completes a step, as :meth:`step` does: ``steps_done`` counts it and :attr:`history` gets its row.
 
         Returns the roles' named metrics (actor/loss, actor/clipfrac, actor/entropy, actor/grad_norm,
-        actor/lr, ...; with PPO critic/loss, critic/value_clipfrac, ...), the same on every rank, plus
-        actor/grad_norm_rank_spread (0 when the ranks agree).
+        actor/lr, actor/skipped_steps, ...; with PPO critic/loss, critic/value_clipfrac, ...), the same on every
+        rank, plus actor/grad_norm_rank_spread (0 when the ranks agree).
+
+        Stop (KeyboardInterrupt) waits for the update to complete (a second Stop abandons it); an update that ends
+        early after some weights moved leaves the trainer refusing further phases until a resume.
         """
+        return self._update(batch, {}, None)[0]
+
+    def _update(
+        self, batch: Batch, sampling: dict[str, float], step_start: float | None
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """:meth:`update`, then the step's bookkeeping; returns (the update's metrics, the history row).
+        ``step_start``: when :meth:`step` began (None: the phases ran by hand, the step's time is theirs)."""
         if batch.advantages is None:
             raise ValueError("the batch has no advantages yet: call trainer.advantages(batch) first")
+        if self._trained is not None and self._trained() is batch:
+            logger.warning("this batch already trained step %d: updating on it again applies its gradients twice "
+                           "(for more passes over one batch, set ppo_epochs)", self.steps_done)
+        self._warn_past_schedule()
+        with self._changing_models("update") as change:
+            metrics = self._update_roles(batch)
+            change.completed = True
+            self.steps_done += 1
+            self._position = self._prompts.state_dict()
+            self.last_batch, self._trained = batch, weakref.ref(batch)
+            seconds = sum(self._phase_times.values()) if step_start is None else time.perf_counter() - step_start
+            row = step_metrics(
+                step=self.steps_done,
+                batch=batch,
+                update_metrics={**metrics, **sampling},
+                phase_times=self._phase_times,
+                worker_times=self._worker_times,
+                memory=self._memory,
+                step_seconds=seconds,
+                gap_limit=self.config.rollout.max_logprob_gap,
+            )
+            self._phase_times, self._worker_times = {}, {}  # the next step's phases start counting
+            self._append_row(row, batch.to_pandas)
+        return metrics, row
+
+    def _update_roles(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
         shards = batch.split(self.cluster.world_size)
         metrics: dict[str, float] = {}
@@ -239,6 +280,10 @@ class Trainer(PolicyTrainerBase):
         norms = [r.metrics["actor/grad_norm"] for r in results]
         return {**metrics, **results[0].metrics, "actor/grad_norm_rank_spread": max(norms) - min(norms)}
 
+    def _steps_begun(self) -> list[int]:
+        critic = [] if self._critic is None else self._critic.call(CriticWorker.steps_begun)
+        return super()._steps_begun() + critic
+
     # -- loops ----------------------------------------------------------------------------------
 
     def step(self, batch: Batch | None = None) -> dict[str, float]:
@@ -247,10 +292,9 @@ class Trainer(PolicyTrainerBase):
         Given ``batch`` (e.g. ``trainer.last_batch`` after a reward function failed), the step goes on
         from that rollout instead of generating a new one.
         """
-        self._warn_past_schedule()
+        self._check_usable()
         cfg = self.config
         start = time.perf_counter()
-        self._phase_times, self._worker_times = {}, {}
         batch = self._scored(self.rollout() if batch is None else batch)
         sampling: dict[str, float] = {}
         if cfg.dynamic_sampling:
@@ -259,21 +303,7 @@ class Trainer(PolicyTrainerBase):
             )
             self.last_batch = batch
         self.advantages(batch)
-        metrics = {**self.update(batch), **sampling}
-        self.steps_done += 1
-        self._position = self._prompts.state_dict()
-        row = step_metrics(
-            step=self.steps_done,
-            batch=batch,
-            update_metrics=metrics,
-            phase_times=self._phase_times,
-            worker_times=self._worker_times,
-            memory=self._memory,
-            step_seconds=time.perf_counter() - start,
-            gap_limit=cfg.rollout.max_logprob_gap,
-        )
-        self._append_row(row, batch.to_pandas)
-        return row
+        return self._update(batch, sampling, start)[1]
 
     def evaluate(self) -> dict[str, float]:
         """Score the validation prompts now (``validation.n`` samples each at ``validation.temperature``; no
@@ -281,6 +311,7 @@ class Trainer(PolicyTrainerBase):
         figures also go into that step's row of :attr:`history` and to the trackers."""
         if self._val is None:
             raise ValueError("no validation prompts: set data.val_files or pass Trainer(val_prompts=...)")
+        self._check_usable()
         start = time.perf_counter()
         seed = self.config.seed * 1_000_003 + 999_983 * (self.steps_done + 1)
         metrics = evaluate_prompts(
@@ -306,7 +337,14 @@ class Trainer(PolicyTrainerBase):
             raise
 
     def _scored_refill(self, refill: int) -> Batch:
-        return self._scored(self._rollout(refill))
+        return self._scored(self.rollout())
+
+    def _draw_seeds(self) -> list[int]:
+        """Each rank's sampling seed of the next rollout; counts the draw, so no two rollouts share seeds."""
+        ranks = self.cluster.world_size
+        seeds = [self.config.seed * 1_000_003 + self._draws * ranks + r for r in range(ranks)]
+        self._draws += 1
+        return seeds
 
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
@@ -323,12 +361,14 @@ class Trainer(PolicyTrainerBase):
         re-scores. Per token the engine's and the trainer's log-probs and their ratio, grouped by position, token id,
         rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
         rlkit.diagnostics.mismatch."""
-        seed = self.config.seed * 1_000_003 + self.steps_done * self.cluster.world_size
+        self._check_usable()
+        seed = self.config.seed * 1_000_003 + self._draws * self.cluster.world_size  # the next rollout's seeds
         return probe(self, side_rollout(self, seed), max_rows)
 
     def certify(self, max_rows: int = 64) -> GapFloor:
         """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
         rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
+        self._check_usable()
         return certify(self, max_rows)
 
     def lint(self) -> diagnostics.Findings:
@@ -352,17 +392,25 @@ class Trainer(PolicyTrainerBase):
 
         Atomic: it appears only when complete. All but the newest ``config.checkpoint.keep_last`` are dropped.
         """
+        self._check_usable()
         partial = checkpoints.partial_dir(Path(path), self.steps_done)
-        self._policy.call(PolicyWorker.save, str(partial), self.config.checkpoint.export_hf)
-        if self._critic is not None:
-            self._critic.call(CriticWorker.save, str(partial))
+        try:
+            self._policy.call(PolicyWorker.save, str(partial), self.config.checkpoint.export_hf)
+            if self._critic is not None:
+                self._critic.call(CriticWorker.save, str(partial))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         meta = {
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
             "prompts": self._position,
+            "draws": self._draws,
             "history": self._rows,
         }
-        return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+        self._checkpoint = checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+        self._update_hint()
+        return self._checkpoint
 
     @classmethod
     def resume(
@@ -408,5 +456,8 @@ class Trainer(PolicyTrainerBase):
         trainer._rows = meta["history"]
         trainer._prompts.load_state_dict(meta["prompts"])
         trainer._position = meta["prompts"]
+        trainer._draws = meta.get("draws", trainer.steps_done)  # a checkpoint of before the count: one per step
+        trainer._checkpoint = checkpoint
+        trainer._update_hint()
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer
