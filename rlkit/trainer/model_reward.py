@@ -27,6 +27,7 @@ class ModelReward:
             RewardModelWorker,
             config.reward_model.path,
             micro_batch_size=config.micro_batch_size,
+            max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
             max_length=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
             fsdp=config.fsdp,
             trust_remote_code=config.trust_remote_code,

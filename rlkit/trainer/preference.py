@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from rlkit import diagnostics
 from rlkit.algos import kto_metrics, kto_mismatched_pairs, preference_metrics
 from rlkit.config import PreferenceConfig, config_from_dict
 from rlkit.data.files import PromptInput
@@ -58,7 +59,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         pairs: PromptInput | None = None,
         val_pairs: PromptInput | None = None,
     ):
-        config.check_cluster(cluster.world_size, cluster.device)
+        diagnostics.check_launch(config, cluster.world_size, cluster.device)
         self.config: PreferenceConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)

@@ -85,7 +85,7 @@ class Trainer(PolicyTrainerBase):
         tools: Sequence[Callable[..., Any]] | None = None,
         environment: Callable[[], Any] | None = None,
     ):
-        config.check_cluster(cluster.world_size, cluster.device, nodes=list(cluster.status()["host"]))
+        diagnostics.check_launch(config, cluster.world_size, cluster.device, nodes=list(cluster.status()["host"]))
         self.config: RLConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)

@@ -19,7 +19,7 @@ from rlkit.fsdp import build_mesh
 from rlkit.models.packing import can_pack
 from rlkit.models.value import load_value_model, response_values
 from rlkit.runtime import Role, context
-from rlkit.workers.batches import CriticRows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import CriticRows, global_counts, in_micro_batches, micro_batches, mini_batches
 from rlkit.workers.messages import UpdateResult, ValuesResult
 from rlkit.workers.metrics import MetricSums
 from rlkit.workers.phases import PhaseClock
@@ -49,16 +49,15 @@ class CriticWorker(Role):
 
     @torch.no_grad()
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ValuesResult:
-        """[n, T] values of this rank's sequences ([n, P + T] in), in micro-batches."""
+        """[n, T] values of this rank's sequences ([n, P + T] in), in the update's micro-batches."""
         self.clock.start()
-        device, micro = self.critic.device, self.config.micro_batch_size
+        cfg, device = self.config, self.critic.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with self.clock.timed("critic_values"):
-            parts = [
-                self._values(input_ids[i : i + micro], attention_mask[i : i + micro])
-                for i in range(0, len(input_ids), micro)
-            ]
-            values = torch.cat(parts) * attention_mask[:, -self.config.rollout.max_new_tokens :]
+            values = in_micro_batches(
+                self._values, input_ids, attention_mask, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+            )
+            values = values * attention_mask[:, -cfg.rollout.max_new_tokens :]
         return ValuesResult(values=values.cpu(), times=dict(self.clock.times), memory_mb=diagnostics.memory_mb(device))
 
     def update(self, rows: CriticRows) -> UpdateResult:

@@ -38,7 +38,7 @@ from rlkit.rollout import SamplingParams, build_engine
 from rlkit.rollout.base import Generation
 from rlkit.rollout.episodes import EpisodeInput, Episodes, run_episodes
 from rlkit.workers.actor import ActorRole
-from rlkit.workers.batches import PolicyRows, Rows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import PolicyRows, Rows, global_counts, in_micro_batches, micro_batches, mini_batches
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
 from rlkit.workers.mismatch import probe_mismatch
@@ -289,21 +289,18 @@ class PolicyWorker(ActorRole):
     def _scored_logprobs(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
-        """[B, T] response log-probs under ``model`` in micro-batches of ``micro_batch_size`` rows, no grad."""
+        """[B, T] response log-probs under ``model``, no grad, in the update's micro-batches (``micro_batch_size``
+        rows, or ``max_tokens_per_micro_batch`` real tokens)."""
         cfg = self.config
-        micro = cfg.micro_batch_size
-        parts = [
-            response_logprobs(
-                model,
-                input_ids[i : i + micro],
-                attention_mask[i : i + micro],
-                response_width=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                padding_free=cfg.padding_free and can_pack(model),
-            )[0]
-            for i in range(0, input_ids.shape[0], micro)
-        ]
-        return torch.cat(parts)
+        padding_free = cfg.padding_free and can_pack(model)
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            width, temperature = cfg.rollout.max_new_tokens, cfg.rollout.temperature
+            return response_logprobs(model, ids, mask, response_width=width, temperature=temperature,
+                                     padding_free=padding_free)[0]  # fmt: skip
+
+        size, max_tokens = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+        return in_micro_batches(forward, input_ids, attention_mask, size, max_tokens)
 
     # -- diagnostics and checkpoints (the rest is ActorRole's) -----------------------------------
 
