@@ -40,10 +40,10 @@ from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tok
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
-from rlkit.trainer.mismatch import GapFloor, certify, probe, side_rollout
+from rlkit.trainer.mismatch import CERTIFY_SEED, GapFloor, gap_floor, probe
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
-from rlkit.workers import CriticWorker, PolicyWorker
+from rlkit.workers import CriticWorker, PolicyWorker, RolloutResult
 
 logger = logging.getLogger(__name__)
 
@@ -146,27 +146,13 @@ class Trainer(PolicyTrainerBase):
         position = self._prompts.state_dict()
         items = self._prompts.next(cfg.prompts_per_step)
         try:
-            prompt_ids, prompt_mask = tokenize_prompts(
-                self.tokenizer,
-                [item["prompt"] for item in items],
-                cfg.data.max_prompt_tokens,
-                self._prompts.add_special_tokens,
-            )
+            prompt_ids, prompt_mask = self._tokenized(items)
         except ValueError:
             self._prompts.load_state_dict(position)
             raise
         ranks = self.cluster.world_size
         seeds = self._draw_seeds()  # every rollout its own: a re-run cell or a refill samples anew
-        per_rank = len(items) // ranks
-        episodes = None if self.agent is None else agentic.episode_inputs(items)
-        results = self._policy.call(
-            PolicyWorker.rollout,
-            PerRank(list(prompt_ids.chunk(ranks))),
-            PerRank(list(prompt_mask.chunk(ranks))),
-            PerRank(seeds),
-            PerRank([None if episodes is None else episodes[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]),
-        )
-        batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
+        batch, results = self._generated(items, prompt_ids, prompt_mask, seeds)
         self._record("rollout", start, results)
         if self._critic is not None:
             values = self._critic.call(
@@ -179,6 +165,39 @@ class Trainer(PolicyTrainerBase):
         if warning := logprob_gap_warning(batch, cfg.rollout.max_logprob_gap):
             logger.warning(warning)
         return batch
+
+    def _tokenized(self, items: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt items' [P, L] ids and attention mask (ValueError: a prompt longer than data.max_prompt_tokens)."""
+        texts = [item["prompt"] for item in items]
+        return tokenize_prompts(self.tokenizer, texts, self.config.data.max_prompt_tokens,
+                                self._prompts.add_special_tokens)  # fmt: skip
+
+    def _generated(
+        self, items: list[dict], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: list[int]
+    ) -> tuple[Batch, list[RolloutResult]]:
+        """Each rank's share of the prompts sampled (its episodes played, with an agent) with its seed, assembled."""
+        ranks = self.cluster.world_size
+        per_rank = len(items) // ranks
+        episodes = None if self.agent is None else agentic.episode_inputs(items)
+        results = self._policy.call(
+            PolicyWorker.rollout,
+            PerRank(list(prompt_ids.chunk(ranks))),
+            PerRank(list(prompt_mask.chunk(ranks))),
+            PerRank(seeds),
+            PerRank([None if episodes is None else episodes[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]),
+        )
+        batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, self.config.group_size)
+        return batch, results
+
+    def _side_rollout(self, seeds: list[int]) -> Batch:
+        """The next prompts sampled as :meth:`rollout` would, with ``seeds``: nothing counts a draw, the prompt stream
+        is left where it was (``mismatch()``, ``certify()``)."""
+        position = self._prompts.state_dict()
+        try:
+            items = self._prompts.next(self.config.prompts_per_step)
+        finally:
+            self._prompts.load_state_dict(position)
+        return self._generated(items, *self._tokenized(items), seeds)[0]
 
     def score(self, batch: Batch) -> Batch:
         """Apply the reward function(s); returns the batch with ``rewards`` and ``reward_terms`` filled.
@@ -362,14 +381,26 @@ class Trainer(PolicyTrainerBase):
         rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
         rlkit.diagnostics.mismatch."""
         self._check_usable()
-        seed = self.config.seed * 1_000_003 + self._draws * self.cluster.world_size  # the next rollout's seeds
-        return probe(self, side_rollout(self, seed), max_rows)
+        ranks = self.cluster.world_size
+        seeds = [self.config.seed * 1_000_003 + self._draws * ranks + r for r in range(ranks)]  # the next rollout's
+        return probe(self._policy, self._side_rollout(seeds), max_rows, self._decode, self._gap_history())
 
     def certify(self, max_rows: int = 64) -> GapFloor:
         """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
         rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
         self._check_usable()
-        return certify(self, max_rows)
+        cfg, ranks = self.config, self.cluster.world_size
+        batch = self._side_rollout([cfg.seed * 1_000_003 + CERTIFY_SEED + r for r in range(ranks)])
+        report = probe(self._policy, batch, max_rows, self._decode, self._gap_history())
+        return gap_floor(report, cfg.rollout)
+
+    def _decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _gap_history(self) -> list[float]:
+        """The run's rollout/logprob_gap/mean per step (the stale-weights check's evidence of a jump)."""
+        column = self.history.get("rollout/logprob_gap/mean")
+        return [] if column is None else column.dropna().tolist()
 
     def lint(self) -> diagnostics.Findings:
         """FSDP lint over every rank's actor, optimizer, reference and rollout engine, and the memory estimate's
