@@ -98,7 +98,7 @@ class Trainer(PolicyTrainerBase):
         """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
         self._advantage_fn = advantage_fn
         self._draws = 0
-        """Rollouts drawn so far (refills and re-run cells included): each one's sampling seeds are its own."""
+        """Rollouts drawn since the last completed step (refills and re-run cells included): each its own seeds."""
         self.last_batch: Batch | None = None
         self._trained: weakref.ref[Batch] | None = None
         """The batch of the last update (a second update on it is warned about)."""
@@ -261,7 +261,7 @@ class Trainer(PolicyTrainerBase):
         with self._changing_models("update") as change:
             metrics = self._update_roles(batch)
             change.completed = True
-            self.steps_done += 1
+            self.steps_done, self._draws = self.steps_done + 1, 0
             self._position = self._prompts.state_dict()
             self.last_batch, self._trained = batch, weakref.ref(batch)
             seconds = sum(self._phase_times.values()) if step_start is None else time.perf_counter() - step_start
@@ -360,10 +360,14 @@ class Trainer(PolicyTrainerBase):
 
     def _draw_seeds(self) -> list[int]:
         """Each rank's sampling seed of the next rollout; counts the draw, so no two rollouts share seeds."""
-        ranks = self.cluster.world_size
-        seeds = [self.config.seed * 1_000_003 + self._draws * ranks + r for r in range(ranks)]
+        seeds = self._next_seeds()
         self._draws += 1
         return seeds
+
+    def _next_seeds(self) -> list[int]:
+        """Each rank's sampling seed of the next rollout: from the steps done and the draws since the last one."""
+        base = self.config.seed * 1_000_003 + self.steps_done * self.cluster.world_size + self._draws * 7_919_111
+        return [base + r for r in range(self.cluster.world_size)]
 
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
@@ -381,9 +385,7 @@ class Trainer(PolicyTrainerBase):
         rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
         rlkit.diagnostics.mismatch."""
         self._check_usable()
-        ranks = self.cluster.world_size
-        seeds = [self.config.seed * 1_000_003 + self._draws * ranks + r for r in range(ranks)]  # the next rollout's
-        return probe(self._policy, self._side_rollout(seeds), max_rows, self._decode, self._gap_history())
+        return probe(self._policy, self._side_rollout(self._next_seeds()), max_rows, self._decode, self._gap_history())
 
     def certify(self, max_rows: int = 64) -> GapFloor:
         """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
@@ -436,7 +438,6 @@ class Trainer(PolicyTrainerBase):
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
             "prompts": self._position,
-            "draws": self._draws,
             "history": self._rows,
         }
         self._checkpoint = checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
@@ -487,7 +488,6 @@ class Trainer(PolicyTrainerBase):
         trainer._rows = meta["history"]
         trainer._prompts.load_state_dict(meta["prompts"])
         trainer._position = meta["prompts"]
-        trainer._draws = meta.get("draws", trainer.steps_done)  # a checkpoint of before the count: one per step
         trainer._checkpoint = checkpoint
         trainer._update_hint()
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
