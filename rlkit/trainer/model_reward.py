@@ -6,7 +6,7 @@ import torch
 
 from rlkit.config import RLConfig
 from rlkit.data.rewards import RewardError
-from rlkit.runtime import Cluster, PerRank, RemoteError, RoleGroup
+from rlkit.runtime import Cluster, PerRank, RemoteError, RoleGroup, RoleOwner
 from rlkit.workers import RewardModelWorker
 
 
@@ -20,7 +20,7 @@ class ModelReward:
 
     __name__ = "reward_model"
 
-    def __init__(self, cluster: Cluster, config: RLConfig):
+    def __init__(self, cluster: Cluster, config: RLConfig, owner: RoleOwner):
         self.cluster = cluster
         self.workers = RoleGroup(
             cluster,
@@ -31,6 +31,7 @@ class ModelReward:
             max_length=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
             fsdp=config.fsdp,
             trust_remote_code=config.trust_remote_code,
+            owner=owner,
         )
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: object) -> list[float]:

@@ -6,6 +6,7 @@ either role can change without the other.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -65,6 +66,7 @@ class CriticWorker(Role):
         self.clock.start()
         rows = rows.to(critic.device)
         sums = MetricSums(critic.device)
+        skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
         with self.clock.timed("critic_update"):
             for _ in range(cfg.ppo_epochs):
                 for mini in mini_batches(rows, cfg.mini_batches):
@@ -84,8 +86,9 @@ class CriticWorker(Role):
                         sums.add(micro_metrics)
                         step_loss += loss.detach()
                     norm = critic.clip_and_step(cfg.critic.optim.max_grad_norm)
+                    skipped += not math.isfinite(norm)
                     sums.add({"critic/loss": Mean(step_loss, 1 / self.world_size), "critic/grad_norm": Mean(norm, 1)})
-        metrics = {**sums.reduce(), "critic/lr": critic.lr}
+        metrics = {**sums.reduce(), "critic/lr": critic.lr, "critic/skipped_steps": float(skipped)}
         return UpdateResult(
             metrics=metrics, times=dict(self.clock.times), memory_mb=diagnostics.memory_mb(critic.device)
         )
@@ -102,6 +105,10 @@ class CriticWorker(Role):
                 response_width=self.config.rollout.max_new_tokens,
                 padding_free=self.padding_free,
             )
+
+    def steps_begun(self) -> int:
+        """The critic's optimizer steps begun so far (the controller compares them around an update that failed)."""
+        return self.critic.steps_begun
 
     def save(self, directory: str) -> None:
         """This rank's shards of the critic and its optimizer, and its schedule."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import psutil
@@ -206,6 +207,7 @@ class PolicyWorker(ActorRole):
         sums = MetricSums(self.device)
         # one optimizer step per batch and no old log-probs from the rollout: the first forward is the old policy
         scored = torch.zeros_like(rows.response_mask) if rows.old_logprobs is None else None
+        skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
         with self.clock.timed("update"):
             for _ in range(cfg.ppo_epochs):
                 for mini in mini_batches(rows, cfg.mini_batches):
@@ -240,13 +242,14 @@ class PolicyWorker(ActorRole):
                     self.memory.mark("forward_backward")
                     report = diagnostics.grad_report(actor.model)
                     norm = actor.clip_and_step(cfg.optim.max_grad_norm)
+                    skipped += not math.isfinite(norm)
                     self.memory.mark("optimizer_step")
                     # this rank's part of the step's loss; the norm is the same on every rank
                     sums.add({"actor/loss": Mean(step_loss, 1 / self.world_size), "actor/grad_norm": Mean(norm, 1)})
         # 6. the new weights into the rollout engine
         self.sync_engine()
         self.memory.mark("weight_sync")
-        metrics = {**sums.reduce(), "actor/lr": actor.lr}
+        metrics = {**sums.reduce(), "actor/lr": actor.lr, "actor/skipped_steps": float(skipped)}
         self.grads = dataclasses.replace(report, global_norm=float(norm), loss=metrics["actor/loss"])
         old = None if scored is None else scored.cpu()
         report_memory = self.memory.memory_mb()
