@@ -7,6 +7,8 @@ the controller reads (``inspect``, ``memory_marks``, ``grad_report``) and the ac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from rlkit import diagnostics
-from rlkit.config import FSDPConfig, OptimConfig
-from rlkit.fsdp import apply_fsdp, build_mesh
+from rlkit.config import FSDPConfig, LoraConfig, OptimConfig
+from rlkit.fsdp import apply_fsdp, build_mesh, param_dtype
 from rlkit.fsdp.checkpoint import export_hf
 from rlkit.models import load_causal_lm
+from rlkit.models.lora import LoraBinding, adapters_disabled, apply_lora
 from rlkit.runtime import Role, context
 from rlkit.workers.phases import PhaseClock
 from rlkit.workers.training import TrainedModel
@@ -37,7 +40,9 @@ class ActorRole(Role):
         reference: bool,
         trust_remote_code: bool,
         attn_implementation: str = "sdpa",
+        lora: LoraConfig | None = None,
     ):
+        """``reference``: hold a frozen reference (with ``lora`` on: the actor with its adapters off, no copy)."""
         ctx = context()
         self.model_dir = Path(model_dir)
         self.device, self.rank, self.world_size = ctx.device, ctx.rank, ctx.world_size
@@ -49,15 +54,36 @@ class ActorRole(Role):
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
-        self.actor = TrainedModel.build(load_causal_lm(self.model_dir, **load), mesh, fsdp, optim, optimizer_steps)
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.lora_binding: LoraBinding | None = None
+        """The modules this rank's adapters bound to (with ``lora``)."""
+        if self.lora is not None:  # a frozen base needs no fp32 master copy: it stays in the compute dtype
+            base = load_causal_lm(self.model_dir, **{**load, "dtype": param_dtype(fsdp, self.device.type)})
+            self.lora_binding = apply_lora(base, self.lora)
+            self.actor = TrainedModel.build(base, mesh, fsdp, optim, optimizer_steps)
+        else:
+            self.actor = TrainedModel.build(load_causal_lm(self.model_dir, **load), mesh, fsdp, optim, optimizer_steps)
         self.reference: torch.nn.Module | None = None
-        if reference:
+        """A frozen copy of the initial policy (full fine-tuning with a KL term)."""
+        self.base_is_reference = reference and self.lora is not None
+        """The KL reference is the actor with its adapters off."""
+        if reference and self.lora is None:
             self.reference = apply_fsdp(load_causal_lm(self.model_dir, **load).requires_grad_(False), mesh, fsdp)
         self.clock = PhaseClock(self.device)
         self.memory = self._memory_tracker(engine=None)
         ctx.set_memory_report("policy", lambda: self.memory.breakdown_mb())  # in an out-of-memory error
         self.grads: diagnostics.GradReport | None = None
         """The last optimizer step's gradient report (per-unit local norms before clipping, global norm, loss)."""
+
+    @contextmanager
+    def reference_model(self) -> Iterator[torch.nn.Module | None]:
+        """The model that scores the KL reference in the ``with`` block: the frozen copy, the actor with its
+        adapters off (LoRA), or None without a reference."""
+        if self.base_is_reference:
+            with adapters_disabled(self.actor.model):
+                yield self.actor.model
+        else:
+            yield self.reference
 
     def _memory_tracker(self, engine: torch.nn.Module | None) -> diagnostics.MemoryTracker:
         models = [m for m in (self.actor.model, self.reference) if m is not None]
