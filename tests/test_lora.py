@@ -171,3 +171,9 @@ def test_target_lists_that_bind_nothing_or_some_layers_are_errors_naming_what_ma
         bind(model, rlkit.LoraConfig(rank=2, target_modules=["layers.0.self_attn.q_proj"]))
     with pytest.raises(ValueError, match="not linear layers"):
         bind(model, rlkit.LoraConfig(rank=2, target_modules=["embed_tokens"]))
+
+
+def test_a_target_list_matching_nothing_is_reported_before_launch():
+    config = rlkit.GRPOConfig(model="tiny", lora=rlkit.LoraConfig(rank=4, target_modules=["qkv_proj", "dense"]))
+    with pytest.raises(rlkit.ConfigError, match=r"target_modules=\['qkv_proj', 'dense'\] matches no module.*'q_proj'"):
+        config.check_cluster(2)

@@ -74,3 +74,72 @@ def test_engine_follows_the_adapters_and_a_skipped_sync_is_caught(cluster, engin
     assert row["rollout/logprob_gap/mean"] > GAP_LIMIT, f"{engine}/{sync}: a skipped sync went unnoticed"
     assert any("rollout.max_logprob_gap" in r.getMessage() for r in caplog.records), "no gap warning"
     assert trainer.rollout().logprob_gap_tokens().max().item() < 1e-4
+
+
+def adapter_weights() -> dict[str, torch.Tensor]:
+    """On a worker: the actor's adapters, full (a collective)."""
+    from rlkit.fsdp import iter_full_params
+    from rlkit.models.lora import is_adapter_param
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    return dict(iter_full_params(local_instance(PolicyWorker).actor.model, keep=is_adapter_param))
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_holds_the_adapters_resumes_exactly_and_exports_merged_and_adapter(cluster, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.models.tiny import TINY_MODEL_DIR
+
+    config = lora_config("hf", "adapter")
+    straight = rlkit.Trainer(cluster, config)
+    straight.fit(3, progress=False)
+    expected, expected_history = cluster.run(adapter_weights)[0], straight.history
+    first = rlkit.Trainer(cluster, config)
+    first.fit(1, progress=False)
+    saved = first.save(tmp_path / "ckpt")
+    held = dcp.FileSystemReader(str(saved / "actor")).read_metadata().state_dict_metadata
+    assert all(".lora_" in k for k in held if k.startswith("model.")), "frozen weights in the checkpoint"
+    resumed = rlkit.Trainer.resume(cluster, tmp_path / "ckpt")
+    resumed.fit(2, progress=False)
+    got = cluster.run(adapter_weights)[0]
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{name} differs after resume"
+    assert resumed.history["reward/mean"].tolist() == expected_history["reward/mean"].tolist()
+
+    out = resumed.save_model(tmp_path / "final")
+    ids = torch.tensor([[5, 17, 40, 9, 77, 12]])
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR), out / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-4, atol=1e-4)
+        assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-3  # the export carries the training
+
+
+def critic_trained_names() -> list[str]:
+    """On a worker: the critic's parameters in its optimizer, by path."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import CriticWorker
+
+    critic = local_instance(CriticWorker).critic
+    names = {id(p): n for n, p in critic.model.named_parameters()}
+    return sorted(names[id(p)] for group in critic.optimizer.param_groups for p in group["params"])
+
+
+@pytest.mark.timeout(300)
+def test_ppo_with_adapters_on_policy_and_critic_backbone(cluster):
+    lora = rlkit.LoraConfig(rank=4, target_modules=["q_proj", "v_proj"])
+    config = rlkit.PPOConfig(model="tiny", prompts_per_step=4, group_size=2, lora=lora,
+                             critic=rlkit.CriticConfig(lora=lora), rollout=rlkit.RolloutConfig(max_new_tokens=6))  # fmt: skip
+    trainer = rlkit.Trainer(cluster, config)
+    row = trainer.step()
+    assert row["critic/grad_norm"] > 0 and row["actor/grad_norm"] > 0
+    names = cluster.run(critic_trained_names)[0]
+    assert names == sorted(
+        [f"model.layers.{i}.self_attn.{m}_proj.lora_{ab}.default.weight" for i in (0, 1) for m in "qv" for ab in "AB"]
+        + ["score.modules_to_save.default.weight", "score.modules_to_save.default.bias"]
+    )

@@ -390,6 +390,7 @@ class RLConfig:
             device=device,
             trust_remote_code=self.trust_remote_code,
             tensor_parallel_size=self.rollout.tensor_parallel_size,
+            lora=self.lora,
         )
 
     def to_dict(self) -> dict[str, Any]:

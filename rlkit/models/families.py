@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from rlkit.config import LoraConfig
+
 logger = logging.getLogger(__name__)
 
 VLLM_HEAD_IS_EMBEDDING = frozenset(
@@ -33,6 +35,17 @@ FLASH_ATTENTION = {
 """Attention implementations that need CUDA: (the module they import, the package that provides it)."""
 
 
+def _lora_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """Why ``lora.target_modules`` cannot bind to the (meta-device) ``model``: matches nothing or only some layers."""
+    from rlkit.models.lora import bind
+
+    try:
+        bind(model, lora)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
 def check_model_family(
     model_dir: str | Path,
     *,
@@ -40,8 +53,10 @@ def check_model_family(
     device: str = "cpu",
     trust_remote_code: bool = False,
     tensor_parallel_size: int = 1,
+    lora: LoraConfig | None = None,
 ) -> list[str]:
-    """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``.
+    """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``
+    (with ``lora`` on: its target modules must bind to every decoder layer, :func:`rlkit.models.lora.bind`).
 
     Args:
         model_dir: a local Hugging Face model directory.
@@ -60,6 +75,8 @@ def check_model_family(
     # with the attention reported, check the rest as transformers' default (sdpa or eager) would build it
     model, problem = _meta_model(config, trust_remote_code, "eager" if problems else None, where)
     problems += [problem] if model is None else _decoder_layer_problems(model, where)
+    if model is not None and lora is not None and lora.enabled:
+        problems += _lora_problems(model, lora)
     if engine == "vllm" and importlib.util.find_spec("vllm") is not None:  # rollout.engine reports it missing
         problems += _vllm_problems(config, device, where)
     return problems

@@ -59,12 +59,13 @@ def linear_modules(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
 
 
-def bind(model: torch.nn.Module, config: LoraConfig) -> LoraBinding:
-    """The modules ``config.target_modules`` matches in ``model`` (a real one or one on the meta device).
+def bind(model: torch.nn.Module, config: LoraConfig, head: str | None = None) -> LoraBinding:
+    """The modules ``config.target_modules`` matches in ``model`` (a real one or one on the meta device); ``head``:
+    a module that trains whole instead (a critic's value head), never adapted.
 
     Raises ValueError naming what matched when the targets match nothing, match a module that is not a linear
     layer, or adapt only some decoder layers (or different modules in different layers)."""
-    linear = linear_modules(model)
+    linear = [n for n in linear_modules(model) if n != head]
     if config.target_modules == "all-linear":
         chosen = linear
     else:
@@ -109,28 +110,31 @@ def _per_layer(chosen: list[str], layers: list[str], config: LoraConfig) -> Lora
     return LoraBinding(modules=chosen, per_layer=per_layer, outside_layers=outside)
 
 
-def peft_config(config: LoraConfig, binding: LoraBinding):
-    """peft's LoraConfig for exactly the modules of ``binding`` (full paths, so peft binds what was checked)."""
+def peft_config(config: LoraConfig, binding: LoraBinding, head: str | None = None):
+    """peft's LoraConfig for exactly the modules of ``binding`` (full paths, so peft binds what was checked);
+    ``head`` joins modules_to_save."""
     import peft
 
+    saved = list(config.modules_to_save) + ([head] if head else [])
     return peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,  # type: ignore[arg-type]  # typed int; any number scales
         lora_dropout=config.dropout,
         target_modules=binding.modules,
-        modules_to_save=list(config.modules_to_save) or None,
+        modules_to_save=saved or None,
         bias="none",
     )
 
 
-def apply_lora(model: torch.nn.Module, config: LoraConfig) -> LoraBinding:
+def apply_lora(model: torch.nn.Module, config: LoraConfig, head: str | None = None) -> LoraBinding:
     """Inject adapters into ``model`` in place (before FSDP wraps it): the base is frozen, the adapters (fp32,
-    whatever the base's dtype) and ``modules_to_save`` train. Returns what they bound to."""
+    whatever the base's dtype), ``modules_to_save`` and ``head`` (a critic's new value head) train. Returns what
+    the adapters bound to."""
     from peft import inject_adapter_in_model
     from peft.functional import cast_adapter_dtype
 
-    binding = bind(model, config)
-    inject_adapter_in_model(peft_config(config, binding), model, adapter_name=ADAPTER)
+    binding = bind(model, config, head)
+    inject_adapter_in_model(peft_config(config, binding, head), model, adapter_name=ADAPTER)
     cast_adapter_dtype(model, ADAPTER, autocast_adapter_dtype=True)  # bf16/fp16 adapters -> fp32
     return binding
 

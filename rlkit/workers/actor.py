@@ -18,10 +18,11 @@ import torch.distributed as dist
 from rlkit import diagnostics
 from rlkit.config import FSDPConfig, LoraConfig, OptimConfig
 from rlkit.fsdp import apply_fsdp, build_mesh, param_dtype
-from rlkit.fsdp.checkpoint import export_hf
+from rlkit.fsdp.checkpoint import export_hf, write_hf
 from rlkit.models import load_causal_lm
 from rlkit.models.lora import LoraBinding, adapters_disabled, apply_lora
 from rlkit.runtime import Role, context
+from rlkit.workers.lora import engine_weights, export_adapter
 from rlkit.workers.phases import PhaseClock
 from rlkit.workers.training import TrainedModel
 
@@ -122,11 +123,18 @@ class ActorRole(Role):
             if self.rank == 0:
                 (path / "hf").mkdir()
             dist.barrier()
-            export_hf(self.actor.model, path / "hf", self.model_dir)
+            self.export(str(path / "hf"))
 
     def export(self, directory: str) -> None:
-        """The actor's full weights as a Hugging Face directory (rank 0 writes; every rank gathers)."""
-        export_hf(self.actor.model, Path(directory), self.model_dir)
+        """The actor's full weights as a Hugging Face directory (rank 0 writes; every rank gathers). With LoRA: the
+        adapters merged into the base, and the adapters alone as a peft directory in its ``adapter/`` folder."""
+        if self.lora is None:
+            export_hf(self.actor.model, Path(directory), self.model_dir)
+            return
+        merged = {n: t.cpu() for n, t in engine_weights(self.actor.model, self.lora, "merged") if self.rank == 0}
+        if self.rank == 0:
+            write_hf(merged, self.actor.model, Path(directory), self.model_dir)
+        export_adapter(self.actor.model, Path(directory) / "adapter", self.lora, str(self.model_dir))
 
     def load(self, directory: str) -> None:
         """Restore what :meth:`save` wrote."""
