@@ -177,3 +177,32 @@ def test_a_target_list_matching_nothing_is_reported_before_launch():
     config = rlkit.GRPOConfig(model="tiny", lora=rlkit.LoraConfig(rank=4, target_modules=["qkv_proj", "dense"]))
     with pytest.raises(rlkit.ConfigError, match=r"target_modules=\['qkv_proj', 'dense'\] matches no module.*'q_proj'"):
         config.check_cluster(2)
+
+
+QWEN_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+ONE_H200 = dict(device_memory_gib=139.8, world_size=1, prompt_tokens=256, response_tokens=1024, samples_per_step=64,
+                micro_batch_size=4, padding_free=True, padding_mask=False, activation_checkpointing=True,
+                reference=True, engine="vllm", gpu_memory_utilization=0.3)
+"""A GRPO run with a KL term on one H200, vLLM colocated."""
+
+
+@pytest.mark.parametrize("shape,adapters", [(QWEN_7B, 40_370_176), (LLAMA_8B, 41_943_040)])
+def test_memory_estimate_fits_7b_and_8b_on_one_device_with_lora_not_without(shape, adapters):
+    from rlkit import diagnostics as dx
+    from rlkit.diagnostics.memory_terms import GiB, ModelShape
+
+    model = ModelShape.from_config(shape)
+    assert model.lora_params(16) == adapters  # 16 * (in + out) of q, k, v, o, gate, up, down in every layer
+    full = dx.estimate_memory(shape, **ONE_H200)
+    lora = dx.estimate_memory(shape, **ONE_H200, lora_rank=16)
+    assert not full.fits and lora.fits
+    state = lora.phases["update"]
+    assert state["parameters"] * GiB == pytest.approx(2 * model.num_parameters + 4 * adapters, abs=1)  # bf16 + fp32
+    assert state["gradients"] * GiB == pytest.approx(4 * adapters, abs=1)
+    assert state["optimizer"] * GiB == pytest.approx(8 * adapters, abs=1)
+    # full fine-tuning holds fp32 parameters, gradients, AdamW state and a reference copy: 20 bytes a parameter
+    assert full.phases["update"]["parameters"] * GiB == pytest.approx(8 * model.num_parameters, abs=1)
+    assert full.peak_gib - lora.peak_gib > 100
