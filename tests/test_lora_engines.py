@@ -143,3 +143,19 @@ def test_ppo_with_adapters_on_policy_and_critic_backbone(cluster):
         [f"model.layers.{i}.self_attn.{m}_proj.lora_{ab}.default.weight" for i in (0, 1) for m in "qv" for ab in "AB"]
         + ["score.modules_to_save.default.weight", "score.modules_to_save.default.bias"]
     )
+    check_views(resumed)
+
+
+def check_views(trainer: rlkit.Trainer) -> None:
+    """The adapters' modules per rank, trained vs frozen bytes in the sharding and memory views, adapter grad norms."""
+    bound = trainer.adapters()
+    assert len(bound) == 2 * 7 and (bound["layers"] == 2).all() and (bound["of_layers"] == 2).all()
+    assert set(bound["module"]) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}  # fmt: skip
+    model = trainer.sharding().totals.query("role == 'model'")
+    assert (model["trained_mb"] > 0).all() and (model["trained_mb"] < model["parameters_mb"] / 2).all()
+    marks = trainer.memory()
+    assert (marks["trained_mb"] > 0).all() and (marks["trained_mb"] < marks["parameters_mb"]).all()
+    assert "reference" not in set(trainer.sharding().totals["role"])  # the base with adapters off: no copy
+    units = trainer.grad_norms().units
+    assert units["global"].gt(0).any() and trainer.grad_norms().global_norm > 0

@@ -106,6 +106,10 @@ class ActorRole(Role):
         """The actor with its optimizer, and :meth:`others`."""
         return diagnostics.inspect(self.actor.model, self.actor.optimizer, others=self.others())
 
+    def adapter_binding(self) -> LoraBinding | None:
+        """The modules this rank's LoRA adapters bound to (None without LoRA)."""
+        return self.lora_binding
+
     def memory_marks(self) -> list[diagnostics.MemoryMark]:
         return self.memory.marks
 

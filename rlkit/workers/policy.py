@@ -149,7 +149,8 @@ class PolicyWorker(ActorRole):
             if reference is not None:
                 with self.clock.timed("reference"):
                     ref_logprobs = self._scored_logprobs(reference, input_ids, attention_mask)
-                self.memory.mark("reference")
+        if ref_logprobs is not None:
+            self.memory.mark("reference")
         return RolloutResult(
             response_ids=gen.response_ids.cpu(),
             response_mask=gen.response_mask.cpu(),
