@@ -7,9 +7,13 @@ kernels (fresh processes) skip unless those find this checkout's too (``widgets_
 
 from __future__ import annotations
 
+import _thread
 import importlib.util
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +43,29 @@ def widgets_in_kernels() -> None:
     if not found or Path(found).parent != WIDGETS:
         pytest.skip(f"a fresh process imports rlkit.widgets from {found or 'nowhere'}, not {WIDGETS}: "
                     "pip install -e this checkout")
+
+
+@pytest.fixture
+def interrupt_after():
+    """``interrupt_after(seconds)`` delivers KeyboardInterrupt to the main thread after ``seconds`` and returns
+    {"at": when it fired}. Python's own SIGINT handler is installed for the test (and the old disposition restored
+    after it): a process started in the background (``nohup make test &``) inherits SIGINT ignored, and
+    ``_thread.interrupt_main`` then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers: list[threading.Timer] = []
+
+    def arm(seconds: float) -> dict:
+        fired: dict = {}
+
+        def fire():
+            fired["at"] = time.monotonic()
+            _thread.interrupt_main()
+
+        timers.append(threading.Timer(seconds, fire))
+        timers[-1].start()
+        return fired
+
+    yield arm
+    for timer in timers:
+        timer.cancel()
+    signal.signal(signal.SIGINT, previous)

@@ -174,9 +174,11 @@ def test_target_lists_that_bind_nothing_or_some_layers_are_errors_naming_what_ma
 
 
 def test_a_target_list_matching_nothing_is_reported_before_launch():
+    from rlkit.diagnostics.preflight import check_launch
+
     config = rlkit.GRPOConfig(model="tiny", lora=rlkit.LoraConfig(rank=4, target_modules=["qkv_proj", "dense"]))
     with pytest.raises(rlkit.ConfigError, match=r"target_modules=\['qkv_proj', 'dense'\] matches no module.*'q_proj'"):
-        config.check_cluster(2)
+        check_launch(config, 2)
 
 
 QWEN_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

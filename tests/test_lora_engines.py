@@ -52,7 +52,8 @@ def skip_syncs(skip: bool) -> None:
 
 def update_with_random_advantages(trainer: rlkit.Trainer) -> None:
     batch = trainer.score(trainer.rollout())
-    batch.advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(trainer.steps_done))
+    per_row = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(trainer.steps_done))
+    batch.advantages = per_row * batch.response_mask  # [B, T]
     trainer.update(batch)
 
 
@@ -118,6 +119,7 @@ def test_checkpoint_holds_the_adapters_resumes_exactly_and_exports_merged_and_ad
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-4, atol=1e-4)
         assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-3  # the export carries the training
+    check_views(resumed)
 
 
 def critic_trained_names() -> list[str]:
@@ -134,7 +136,7 @@ def critic_trained_names() -> list[str]:
 def test_ppo_with_adapters_on_policy_and_critic_backbone(cluster):
     lora = rlkit.LoraConfig(rank=4, target_modules=["q_proj", "v_proj"])
     config = rlkit.PPOConfig(model="tiny", prompts_per_step=4, group_size=2, lora=lora,
-                             critic=rlkit.CriticConfig(lora=lora), rollout=rlkit.RolloutConfig(max_new_tokens=6))  # fmt: skip
+                             critic=rlkit.CriticConfig(lora=lora), rollout=rlkit.RolloutConfig(max_new_tokens=6))
     trainer = rlkit.Trainer(cluster, config)
     row = trainer.step()
     assert row["critic/grad_norm"] > 0 and row["actor/grad_norm"] > 0
@@ -143,7 +145,6 @@ def test_ppo_with_adapters_on_policy_and_critic_backbone(cluster):
         [f"model.layers.{i}.self_attn.{m}_proj.lora_{ab}.default.weight" for i in (0, 1) for m in "qv" for ab in "AB"]
         + ["score.modules_to_save.default.weight", "score.modules_to_save.default.bias"]
     )
-    check_views(resumed)
 
 
 def check_views(trainer: rlkit.Trainer) -> None:

@@ -11,21 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from rlkit.config import FSDPConfig
+from rlkit.models.families import decoder_layers
 from rlkit.models.head import response_head
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules a Hugging Face model declares unsplittable (its decoder layers), in order."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} declares no _no_split_modules, so there is nothing to wrap per layer; "
-            "one giant FSDP unit would gather the whole model at once"
-        )
-    return layers
 
 
 def param_dtype(config: FSDPConfig, device_type: str) -> torch.dtype:

@@ -116,6 +116,10 @@ class ActorRole(Role):
     def grad_report(self) -> diagnostics.GradReport | None:
         return self.grads
 
+    def steps_begun(self) -> int:
+        """The actor's optimizer steps begun so far (the controller compares them around an update that failed)."""
+        return self.actor.steps_begun
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def save(self, directory: str, export_hf_weights: bool) -> None:

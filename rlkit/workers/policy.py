@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import psutil
@@ -37,7 +38,7 @@ from rlkit.rollout import SamplingParams, build_engine
 from rlkit.rollout.base import Generation
 from rlkit.rollout.episodes import EpisodeInput, Episodes, run_episodes
 from rlkit.workers.actor import ActorRole
-from rlkit.workers.batches import PolicyRows, Rows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import PolicyRows, Rows, global_counts, in_micro_batches, micro_batches, mini_batches
 from rlkit.workers.lora import engine_weights
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
@@ -211,6 +212,7 @@ class PolicyWorker(ActorRole):
         sums = MetricSums(self.device)
         # one optimizer step per batch and no old log-probs from the rollout: the first forward is the old policy
         scored = torch.zeros_like(rows.response_mask) if rows.old_logprobs is None else None
+        skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
         with self.clock.timed("update"):
             for _ in range(cfg.ppo_epochs):
                 for mini in mini_batches(rows, cfg.mini_batches):
@@ -245,13 +247,14 @@ class PolicyWorker(ActorRole):
                     self.memory.mark("forward_backward")
                     report = diagnostics.grad_report(actor.model)
                     norm = actor.clip_and_step(cfg.optim.max_grad_norm)
+                    skipped += not math.isfinite(norm)
                     self.memory.mark("optimizer_step")
                     # this rank's part of the step's loss; the norm is the same on every rank
                     sums.add({"actor/loss": Mean(step_loss, 1 / self.world_size), "actor/grad_norm": Mean(norm, 1)})
         # 6. the new weights into the rollout engine
         self.sync_engine()
         self.memory.mark("weight_sync")
-        metrics = {**sums.reduce(), "actor/lr": actor.lr}
+        metrics = {**sums.reduce(), "actor/lr": actor.lr, "actor/skipped_steps": float(skipped)}
         self.grads = dataclasses.replace(report, global_norm=float(norm), loss=metrics["actor/loss"])
         old = None if scored is None else scored.cpu()
         report_memory = self.memory.memory_mb()
@@ -292,21 +295,18 @@ class PolicyWorker(ActorRole):
     def _scored_logprobs(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
-        """[B, T] response log-probs under ``model`` in micro-batches of ``micro_batch_size`` rows, no grad."""
+        """[B, T] response log-probs under ``model``, no grad, in the update's micro-batches (``micro_batch_size``
+        rows, or ``max_tokens_per_micro_batch`` real tokens)."""
         cfg = self.config
-        micro = cfg.micro_batch_size
-        parts = [
-            response_logprobs(
-                model,
-                input_ids[i : i + micro],
-                attention_mask[i : i + micro],
-                response_width=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                padding_free=cfg.padding_free and can_pack(model),
-            )[0]
-            for i in range(0, input_ids.shape[0], micro)
-        ]
-        return torch.cat(parts)
+        padding_free = cfg.padding_free and can_pack(model)
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            width, temperature = cfg.rollout.max_new_tokens, cfg.rollout.temperature
+            return response_logprobs(model, ids, mask, response_width=width, temperature=temperature,
+                                     padding_free=padding_free)[0]  # fmt: skip
+
+        size, max_tokens = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+        return in_micro_batches(forward, input_ids, attention_mask, size, max_tokens)
 
     # -- diagnostics and checkpoints (the rest is ActorRole's) -----------------------------------
 
