@@ -118,7 +118,9 @@ t5() {  # optional: where torch.compile stands for the decoder layers and the he
 r1() {  # rlkit's step with bare vLLM alternating on the same rollout, the engine call taken apart above 1.15x
   fetch vllm/c5
   install_vllm || { echo "vLLM install failed"; return 1; }
-  item rlkit-0.5b-vllm 235 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --profile \
+  # two engine starts and 10 steps with two bare generations each took ~270 s on 2026-12-02: the breakdown and
+  # the profile (15 more engine calls, one more step) do not fit beside them in one call
+  item rlkit-0.5b-vllm 270 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --breakdown-above 99 \
     --label rlkit-vllm --json "$RAW/rlkit-0.5b-vllm.json"
 }
 

@@ -70,10 +70,11 @@ def set_mode(on: bool) -> None:
 def config(args, model_dir: Path) -> rlkit.GRPOConfig:
     """The yardstick's step: fixed lengths, one optimizer step per batch (old log-probs from the update's forward)."""
     lengths = {"max_new_tokens": args.response_len, "min_new_tokens": args.response_len}
-    rollout = rlkit.RolloutConfig(engine=args.engine, max_prompt_tokens=args.prompt_len, **lengths)
+    rollout = rlkit.RolloutConfig(engine=args.engine, **lengths)
     return rlkit.GRPOConfig(model=str(model_dir), seed=0, steps=2 * args.steps + 1, prompts_per_step=args.prompts,
                             group_size=args.group, micro_batch_size=args.micro, recompute_logprobs=False,
-                            optim=rlkit.OptimConfig(lr=1e-6), rollout=rollout)  # fmt: skip
+                            optim=rlkit.OptimConfig(lr=1e-6), rollout=rollout,
+                            data=rlkit.DataConfig(max_prompt_tokens=args.prompt_len))  # fmt: skip
 
 
 def main() -> None:

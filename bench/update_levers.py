@@ -128,8 +128,8 @@ def main() -> None:
     config = rlkit.GRPOConfig.from_dict({
         "model": str(model_dir), "seed": 0, "prompts_per_step": args.prompts, "group_size": args.group,
         "micro_batch_size": args.micro, "optim": {"lr": 1e-6}, "steps": 1000,
-        "rollout": {"engine": "hf", "max_new_tokens": args.response_len, "min_new_tokens": args.response_len,
-                    "max_prompt_tokens": args.prompt_len}})
+        "rollout": {"engine": "hf", "max_new_tokens": args.response_len, "min_new_tokens": args.response_len},
+        "data": {"max_prompt_tokens": args.prompt_len}})
     variants = [Variant.parse(v, args.micro) for v in args.variants]
     skipped = [v.name for v in variants if not fits(v, config, args)]
     variants = [v for v in variants if v.name not in skipped]

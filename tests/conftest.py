@@ -7,10 +7,14 @@ kernels (fresh processes) skip unless those find this checkout's too (``widgets_
 
 from __future__ import annotations
 
+import _thread
 import gc
 import importlib.util
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +47,30 @@ def widgets_in_kernels() -> None:
                     "pip install -e this checkout")
 
 
+@pytest.fixture
+def interrupt_after():
+    """``interrupt_after(seconds)`` delivers KeyboardInterrupt to the main thread after ``seconds`` and returns
+    {"at": when it fired}. Python's own SIGINT handler is installed for the test (and the old disposition restored
+    after it): a process started in the background (``nohup make test &``) inherits SIGINT ignored, and
+    ``_thread.interrupt_main`` then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers: list[threading.Timer] = []
+
+    def arm(seconds: float) -> dict:
+        fired: dict = {}
+
+        def fire():
+            fired["at"] = time.monotonic()
+            _thread.interrupt_main()
+
+        timers.append(threading.Timer(seconds, fire))
+        timers[-1].start()
+        return fired
+
+    yield arm
+    for timer in timers:
+        timer.cancel()
+    signal.signal(signal.SIGINT, previous)
 @pytest.fixture(scope="session")
 def _held_cluster() -> Iterator[dict]:
     """The session's shared cluster and the device it was asked for (filled by ``cluster``)."""

@@ -116,3 +116,5 @@ def test_ppo_on_trajectories_with_rewards_per_turn(cluster):
     not_model = batch.response_mask == 0
     assert (batch.advantages[not_model] == 0).all() and (batch.advantages[~not_model] != 0).any()
     assert (batch.turn_index[batch.attention_mask[:, batch.prompt_length :] == 0] == -1).all()
+    report = trainer.mismatch(max_rows=4)  # a multi-turn side rollout, re-scored: its tokens by model turn
+    assert report.tokens["turn"].max() > 0 and report.causes == [], str(report)

@@ -166,3 +166,26 @@ def test_skipping_the_logprob_pass_needs_one_step_per_batch_and_kl_in_the_loss()
     assert 'use kl_mode="loss" or recompute_logprobs=True' in str(err.value)
     with pytest.raises(ConfigError, match="mini_batches=4"):
         GRPOConfig(recompute_logprobs=False, mini_batches=4)
+
+
+def test_config_and_data_import_nothing_above_algos():
+    """Importing rlkit.config and rlkit.data (without rlkit/__init__, which imports the whole library) loads no
+    model code, transformers, vLLM or runtime; and no function in rlkit/config imports above rlkit/algos either."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "rlkit"
+    script = (
+        "import sys, types; package = types.ModuleType('rlkit'); package.__path__ = [sys.argv[1]]; "
+        "sys.modules['rlkit'] = package; import rlkit.config, rlkit.data; "
+        "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('transformers', 'vllm', 'rlkit')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, check=True)
+    packages = {".".join(m.split(".")[:2]) for m in loaded.stdout.split()}
+    assert packages == {"rlkit", "rlkit.algos", "rlkit.config", "rlkit.data"}, packages
+    for path in (root / "config").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlkit."):
+                assert node.module.split(".")[1] in ("algos", "config"), f"{path.name} imports {node.module}"

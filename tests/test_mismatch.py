@@ -202,3 +202,19 @@ def test_engine_settings_name_causes_the_log_probs_cannot_show():
     batch.rollout_logprobs = probe.trainer  # sampled under them, log-probs taken before them
     assert mismatch_report(batch, [probe]).causes == ["sampling: top_p/top_k", "sampling: repetition_penalty"]
     assert not math.isnan(mismatch_report(batch, [probe]).summary["kl_k3"])
+
+
+def test_a_multi_turn_report_groups_by_model_turn_and_names_template_drift():
+    from rlkit.data.trajectories import Trajectory
+
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 1.0)
+    batch.rollout_logprobs = probe.trainer
+    batch.response_mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])  # turn 0, an observation token, turn 1
+    batch.turn_index = torch.tensor([[0, 0, 1, 1]])
+    batch.trajectories = [Trajectory(messages=[], turns=[], finish_reason="stop")]
+    clean = mismatch_report(batch, [probe])
+    assert clean.tokens["turn"].tolist() == [0, 1, 1] and clean.by_turn["tokens"].tolist() == [1, 2]
+    assert clean.causes == [], str(clean)
+    batch.trajectories[0].drift = "turn 1: '<|im_end|>' re-rendered as '\\n'"
+    assert mismatch_report(batch, [probe]).causes == ["tokenisation"]

@@ -278,12 +278,15 @@ def test_the_vllm_check_leaves_the_environment_workers_inherit(family_dirs):
 
 @needs_vllm
 def test_config_validation_rejects_the_family_before_launch(family_dirs, tmp_path):
-    """The CLI and Trainer run check_cluster before any worker loads a model; no cluster exists here."""
+    """The CLI and Trainer run check_launch before any worker loads a model; no cluster exists here. The family's
+    problem comes with the config's own (one ConfigError, every problem)."""
     config = grpo(family_dirs["gemma2-untied"], "vllm")
+    config.prompts_per_step = 3
     with pytest.raises(ConfigError) as caught:
-        config.check_cluster(2, "cpu")
+        rlkit.diagnostics.check_launch(config, 2, "cpu")
     assert any("Gemma2ForCausalLM" in p for p in caught.value.problems)
-    grpo(family_dirs["gemma2-untied"], "hf").check_cluster(2, "cpu")  # the hf engine runs it
+    assert any("prompts_per_step=3 does not divide" in p for p in caught.value.problems)
+    rlkit.diagnostics.check_launch(grpo(family_dirs["gemma2-untied"], "hf"), 2, "cpu")  # the hf engine runs it
 
 
 @pytest.mark.gpu

@@ -124,24 +124,67 @@ def reference_scores(directory, texts: list[str]) -> torch.Tensor:
         return torch.cat([model(**tokenizer(t, return_tensors="pt")).logits[:, 0] for t in texts])
 
 
+def record_forward_tokens(on: bool) -> dict[str, list[int]]:
+    """On a worker: from now on (on=True) record the real tokens of each scoring forward of the actor and reference
+    (log-probs), the critic (values) and the reward model; returns what was recorded, and stops (on=False)."""
+    import rlkit.workers.critic as critic
+    import rlkit.workers.policy as policy
+    import rlkit.workers.reward_model as reward_model
+    from rlkit.runtime import context
+
+    names = {"logprobs": (policy, "response_logprobs"), "values": (critic, "response_values"),
+             "reward_model": (reward_model, "sequence_scores")}  # fmt: skip
+    state = context().state
+    if not on:
+        for module, attribute in names.values():
+            setattr(module, attribute, state["originals"][attribute])
+        return state.pop("tokens")
+    state["tokens"], state["originals"] = {name: [] for name in names}, {}
+
+    def recording(name, forward):
+        def wrapper(model, input_ids, attention_mask, *args, **kwargs):
+            state["tokens"][name].append(int(attention_mask.sum()))
+            return forward(model, input_ids, attention_mask, *args, **kwargs)
+
+        return wrapper
+
+    for name, (module, attribute) in names.items():
+        state["originals"][attribute] = getattr(module, attribute)
+        setattr(module, attribute, recording(name, getattr(module, attribute)))
+    return state["tokens"]
+
+
 @pytest.mark.timeout(200)
 def test_reward_model_and_weighted_python_rewards(cluster, tmp_path):
+    """PPO with a reward model and a reference: the rewards combine, and ``max_tokens_per_micro_batch`` bounds every
+    scoring forward (log-probs, values, reward model) as it does the update's, rows kept in their order."""
     build_reward_model(tmp_path)
 
     def short(prompts, completions, **fields):
         return [float(len(c) <= 3) for c in completions]
 
-    config = rlkit.GRPOConfig(
+    budget = 24
+    config = rlkit.PPOConfig(
         model="tiny",
         seed=0,
         prompts_per_step=6,
         group_size=4,
+        kl_coef=0.05,
         micro_batch_size=5,
+        max_tokens_per_micro_batch=budget,
+        data=rlkit.DataConfig(max_prompt_tokens=budget - ROLLOUT.max_new_tokens),
         rollout=ROLLOUT,
         reward_model=rlkit.RewardModelConfig(path=str(tmp_path), weight=0.5),
     )
     trainer = rlkit.Trainer(cluster, config, reward_fn={"short": (short, 2.0)})
-    batch = trainer.score(trainer.rollout())
+    cluster.run(record_forward_tokens, True)
+    try:
+        batch = trainer.score(trainer.rollout())
+    finally:
+        recorded = cluster.run(record_forward_tokens, False)
+    for rank, tokens in enumerate(recorded):
+        for name, counts in tokens.items():
+            assert len(counts) > 2 and max(counts) <= budget, f"rank {rank}, {name}: real tokens per forward {counts}"
     texts = [p + c for p, c in zip(batch.prompts, batch.completions, strict=True)]
     torch.testing.assert_close(
         batch.reward_terms["reward_model"], reference_scores(tmp_path, texts), rtol=1e-4, atol=1e-5
@@ -149,6 +192,9 @@ def test_reward_model_and_weighted_python_rewards(cluster, tmp_path):
     torch.testing.assert_close(
         batch.rewards, 2.0 * batch.reward_terms["short"] + 0.5 * batch.reward_terms["reward_model"]
     )
+    torch.testing.assert_close(batch.ref_logprobs, batch.logprobs)  # the same weights: rows in the same order
+    assert batch.logprob_gap_tokens().max() < 1e-4, "the trainer's log-probs are not the engine's rows'"
+    assert batch.values is not None and batch.values.isfinite().all()
 
 
 @pytest.mark.timeout(200)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import glob
 import json
 import os
@@ -312,20 +311,8 @@ def test_status_has_documented_columns(cluster):
     assert (status["heartbeat_age_s"] < 5).all() and (status["rss_mb"] > 10).all()
 
 
-def _interrupt_after(seconds: float) -> dict:
-    """Deliver KeyboardInterrupt to this (main) thread after ``seconds``; returns {"at": when}."""
-    fired: dict = {}
-
-    def fire():
-        fired["at"] = time.monotonic()
-        _thread.interrupt_main()
-
-    threading.Timer(seconds, fire).start()
-    return fired
-
-
 @pytest.mark.timeout(60)
-def test_keyboard_interrupt_cancels_the_call_quickly_and_cluster_stays_usable(cluster):
+def test_keyboard_interrupt_cancels_the_call_quickly_and_cluster_stays_usable(cluster, interrupt_after):
     pids = _pids(cluster)
     cluster.run(lambda: context().state.update(kept=context().rank))
 
@@ -334,7 +321,7 @@ def test_keyboard_interrupt_cancels_the_call_quickly_and_cluster_stays_usable(cl
         time.sleep(30)
         context().state["finished"] = True
 
-    fired = _interrupt_after(1.0)
+    fired = interrupt_after(1.0)
     with pytest.raises(KeyboardInterrupt) as info:
         cluster.run(work)
     assert time.monotonic() - fired["at"] < 5
@@ -373,7 +360,7 @@ def test_call_timeout_cancels_a_slow_call_and_cluster_stays_usable(cluster):
 # -- tests that break their cluster ------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_keyboard_interrupt_with_a_rank_in_a_collective_shuts_down_quickly(cluster):
+def test_keyboard_interrupt_with_a_rank_in_a_collective_shuts_down_quickly(cluster, interrupt_after):
     pids = _pids(cluster)
 
     def fn():
@@ -381,7 +368,7 @@ def test_keyboard_interrupt_with_a_rank_in_a_collective_shuts_down_quickly(clust
             time.sleep(30)
         dist.barrier()  # rank 1 waits here for rank 0, in C++, where no signal reaches it
 
-    fired = _interrupt_after(1.5)
+    fired = interrupt_after(1.5)
     with pytest.raises(KeyboardInterrupt) as info:
         cluster.run(fn)
     assert time.monotonic() - fired["at"] < 5

@@ -18,7 +18,7 @@ from rlkit.runtime import (
     launch,
 )
 from rlkit.runtime.cluster import STATUS_COLUMNS
-from tests.test_runtime import _all_gone, _interrupt_after, _kill_rank_1_mid_call, _pids
+from tests.test_runtime import _all_gone, _kill_rank_1_mid_call, _pids
 
 ray = pytest.importorskip("ray")
 
@@ -75,9 +75,9 @@ def test_ray_cluster_runs_spmd_calls_with_tensors_output_and_status(cluster, cap
 
 
 @pytest.mark.timeout(120)
-def test_ray_keyboard_interrupt_cancels_the_call_and_cluster_stays_usable(cluster):
+def test_ray_keyboard_interrupt_cancels_the_call_and_cluster_stays_usable(cluster, interrupt_after):
     pids = _pids(cluster)
-    fired = _interrupt_after(1.0)
+    fired = interrupt_after(1.0)
     with pytest.raises(KeyboardInterrupt) as info:
         cluster.run(time.sleep, 30)
     assert time.monotonic() - fired["at"] < 5

@@ -175,4 +175,4 @@ def test_an_engine_failure_is_raised_on_every_member_and_the_cluster_stays_usabl
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="the message is for machines without vLLM")
 def test_without_vllm_the_engine_problem_is_reported_too():
     with pytest.raises(ConfigError, match="vllm is not installed"):
-        GRPOConfig(rollout=RolloutConfig(engine="vllm", tensor_parallel_size=2)).check_cluster(2)
+        rlkit.diagnostics.check_launch(GRPOConfig(rollout=RolloutConfig(engine="vllm", tensor_parallel_size=2)), 2)

@@ -155,7 +155,7 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
     tokenizer = load_tokenizer(resolve_model_dir(config.model), trust_remote_code=config.trust_remote_code)
     with _together() as problems:
         with _together(problems):
-            config.check_cluster(world_size, args.device, nodes=nodes, node_gpus=gpus)
+            diagnostics.check_launch(config, world_size, args.device, nodes=nodes, node_gpus=gpus)
         data = load_run_data(config, tokenizer, base_dir=_base_dir(args))  # every file and reward, before launch
     gpu_gib = visible_gpu_memory_gib() if args.device != "cpu" else None
     if gpu_gib is not None:  # GPUs: will it fit? (the estimate, before anything loads)
@@ -177,7 +177,7 @@ def _checked_preferences(args: argparse.Namespace, config: PreferenceConfig, wor
     summaries = []
     with _together() as problems:
         with _together(problems):
-            config.check_cluster(world_size, args.device)
+            diagnostics.check_launch(config, world_size, args.device)
         for split in ("train", "val") if config.data.val_files else ("train",):
             with _together(problems):
                 summaries.append(load_preferences(config, tokenizer, base_dir=_base_dir(args), split=split)[1])

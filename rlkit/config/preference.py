@@ -92,29 +92,26 @@ class PreferenceConfig:
         return 1
 
     def check_cluster(self, world_size: int, device: str = "cpu") -> None:
-        """Raise ConfigError if the batch does not divide across ``world_size`` ranks, FSDP settings do not fit, a
-        tracker is not installed, or the model's family cannot be sharded (rlkit.models.check_model_family)."""
+        """Raise ConfigError with every :meth:`cluster_problems` (the model's family is checked beside it, before
+        launch, by :func:`rlkit.diagnostics.check_launch`)."""
+        problems = self.cluster_problems(world_size, device)
+        if problems:
+            raise ConfigError(problems)
+
+    def cluster_problems(self, world_size: int, device: str = "cpu") -> list[str]:
+        """Whether the batch divides across ``world_size`` ranks, FSDP settings fit and the trackers are installed:
+        one message per problem."""
         p = self.fsdp.cluster_problems(world_size, device)
-        p += tracker_install_problems(self.trackers) + torch_companion_problems() + self._model_family_problems(device)
+        p += tracker_install_problems(self.trackers) + torch_companion_problems()
         need(
             p,
             self.batch_size % world_size == 0,
             f"batch_size={self.batch_size} does not divide across {world_size} ranks: use a multiple of {world_size}",
         )
-        p += self._cluster_problems(world_size)
-        if p:
-            raise ConfigError(p)
+        return p + self._cluster_problems(world_size)
 
     def _cluster_problems(self, world_size: int) -> list[str]:
         return []
-
-    def _model_family_problems(self, device: str) -> list[str]:
-        """What the model directory lacks for FSDP (imports transformers; no rollout engine here)."""
-        from rlkit.models.families import check_model_family
-        from rlkit.models.tiny import TINY_MODEL_DIR
-
-        model_dir = TINY_MODEL_DIR if self.model == "tiny" else Path(self.model)
-        return check_model_family(model_dir, engine="hf", device=device, trust_remote_code=self.trust_remote_code)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-able), with ``algorithm`` naming the class."""

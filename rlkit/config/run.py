@@ -17,6 +17,7 @@ from rlkit.config.checks import ConfigError, need
 from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
+from rlkit.config.lora import LoraConfig
 from rlkit.config.sections import (
     ATTN_IMPLEMENTATIONS,
     CheckpointConfig,
@@ -149,6 +150,8 @@ class RLConfig:
     """The actor's optimizer settings."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding settings (actor, reference, critic and reward model)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the policy instead of full fine-tuning (``[lora]``; off while ``lora.rank`` is 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint settings."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
@@ -238,7 +241,7 @@ class RLConfig:
         )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
-        nested += self._correction_problems()
+        nested += self._correction_problems() + self.lora.problems()
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _recompute_problems(self) -> list[str]:
@@ -351,15 +354,27 @@ class RLConfig:
         nodes: Sequence[object] | None = None,
         node_gpus: int | None = None,
     ) -> None:
-        """Raise ConfigError if the batch does not divide across ``world_size`` ranks, FSDP or rollout settings do
-        not fit the ranks (``nodes``: each rank's node, where known; ``node_gpus``: the GPUs of a node, on GPU
-        machines), or the model's family cannot be sharded or rolled out on ``device``
-        (rlkit.models.check_model_family)."""
+        """Raise ConfigError with every :meth:`cluster_problems`. The model's family is checked beside it, before
+        launch, by :func:`rlkit.diagnostics.check_launch` (it builds the model on the meta device)."""
+        problems = self.cluster_problems(world_size, device, nodes=nodes, node_gpus=node_gpus)
+        if problems:
+            raise ConfigError(problems)
+
+    def cluster_problems(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        *,
+        nodes: Sequence[object] | None = None,
+        node_gpus: int | None = None,
+    ) -> list[str]:
+        """Whether the batch divides across ``world_size`` ranks, FSDP and rollout settings fit the ranks (``nodes``:
+        each rank's node, where known; ``node_gpus``: the GPUs of a node, on GPU machines), the attention runs on
+        ``device`` and the trackers are installed: one message per problem."""
         p: list[str] = self.fsdp.cluster_problems(world_size, device)
         p += self.rollout.cluster_problems(world_size, nodes, node_gpus)
         p += attention_problems(self.attn_implementation, device)
         p += tracker_install_problems(self.trackers) + torch_companion_problems()
-        p += self._model_family_problems(device)
         if self.prompts_per_step % world_size:
             p.append(
                 f"prompts_per_step={self.prompts_per_step} does not divide across {world_size} ranks: "
@@ -372,22 +387,7 @@ class RLConfig:
                     f"mini_batches={self.mini_batches} does not divide the {per_rank} samples per rank "
                     f"(prompts_per_step * group_size / world_size): use a divisor of {per_rank}"
                 )
-        if p:
-            raise ConfigError(p)
-
-    def _model_family_problems(self, device: str) -> list[str]:
-        """What the model directory lacks for FSDP and the rollout engine (imports transformers, and vLLM for it)."""
-        from rlkit.models.families import check_model_family
-        from rlkit.models.tiny import BUNDLED_MODELS
-
-        model_dir = BUNDLED_MODELS.get(self.model, Path(self.model))
-        return check_model_family(
-            model_dir,
-            engine=self.rollout.engine,
-            device=device,
-            trust_remote_code=self.trust_remote_code,
-            tensor_parallel_size=self.rollout.tensor_parallel_size,
-        )
+        return p
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-able), with ``algorithm`` naming the class for :func:`config_from_dict`."""

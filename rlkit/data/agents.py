@@ -12,16 +12,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from rlkit.config.agent import AgentConfig
-from rlkit.config.run import RLConfig
 from rlkit.data.chat import ChatRenderer
 from rlkit.data.envs import EnvironmentFactory, environment_problems
 from rlkit.data.named_rewards import resolve_object
 from rlkit.data.tools import Tool, make_tools
+
+if TYPE_CHECKING:
+    from rlkit.config.agent import AgentConfig
+    from rlkit.config.run import RLConfig
 
 AGENT_FIELDS = ("messages", "env_reward")
 """What the reward functions of a multi-turn run get besides the data's fields: the whole conversation (a list

@@ -205,7 +205,11 @@ class Batch:
 
     def turns_frame(self) -> pd.DataFrame:
         """One row per turn of every trajectory (multi-turn runs): see :func:`rlkit.data.trajectories.turns_frame`."""
-        return turns_frame(self)
+        if self.trajectories is None or self.turn_index is None:
+            raise ValueError("this batch holds single-turn completions: it has no turns (run with tools or an "
+                             "environment)")
+        return turns_frame(self.trajectories, self.turn_index, self.response_mask, self.group, self.advantages,
+                           self.logprob_gap_tokens(), self.engine_checked())  # fmt: skip
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per completion (per trajectory in a multi-turn run: ``completion`` is its last model turn, with its

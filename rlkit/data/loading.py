@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlkit.config.checks import ConfigError
-from rlkit.config.data import DataConfig
 from rlkit.data.files import PromptInput, read_files, rows_from_python
 from rlkit.data.prompts import PromptSource
 from rlkit.data.templates import as_messages, render_prompts
+
+if TYPE_CHECKING:
+    from rlkit.config.data import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def load_prompt_source(
         data, tokenizer, seed, max_prompt_tokens=max_prompt_tokens, base_dir=base_dir, split=split, prompts=prompts
     )
     if problems:
+        from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
+
         raise ConfigError(problems)
     assert source is not None and report is not None
     return source, report

@@ -16,14 +16,15 @@ import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from rlkit.config.checks import ConfigError
-from rlkit.config.data import RewardSpec
 from rlkit.data.files import resolve_path
 from rlkit.data.rewards import WeightedReward
+
+if TYPE_CHECKING:
+    from rlkit.config.data import RewardSpec
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -40,6 +41,8 @@ def load_rewards(
     """
     terms, problems = collect_rewards(specs, base_dir, columns)
     if problems:
+        from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
+
         raise ConfigError(problems)
     return terms
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlkit.config.checks import ConfigError
-from rlkit.config.preference import PreferenceConfig
 from rlkit.data.files import PromptInput, read_files, rows_from_python
 from rlkit.data.prompts import PromptSource
 from rlkit.data.templates import is_message, prompt_kind
+
+if TYPE_CHECKING:
+    from rlkit.config.preference import PreferenceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ def load_preferences(
         ConfigError: every problem of the data at once (the lengths of the rows whose values are fine are
             checked beside the rows that are not), each naming the column or setting and the fix.
     """
+    from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
+
     rows, columns, where, problems = _read(config, pairs, base_dir, split)
     if not rows:
         raise ConfigError(problems)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlkit.config.checks import ConfigError
-from rlkit.config.run import RLConfig
 from rlkit.data import agent_tasks
 from rlkit.data.agents import AGENT_FIELDS, Agent, collect_agent
 from rlkit.data.files import PromptInput
@@ -21,6 +19,9 @@ from rlkit.data.named_rewards import collect_rewards, signature_problems
 from rlkit.data.prompts import PromptSource
 from rlkit.data.rewards import WeightedReward, reward_terms
 from rlkit.data.tasks import AdditionTask, addition_reward
+
+if TYPE_CHECKING:
+    from rlkit.config.run import RLConfig
 
 TASK_FIELDS = ["answer"]
 """The fields of the bundled addition task's rows (model="tiny" without data)."""
@@ -112,6 +113,8 @@ def load_run_data(
     rewards, reward_problems = _rewards(config, base_dir, fields, reward_fn, task=task, scored=scored)
     problems += reward_problems
     if problems:
+        from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
+
         raise ConfigError(list(dict.fromkeys(problems)))  # a problem both splits share is reported once
     assert train is not None
     reports = [r for r in (train_report, val_report) if r is not None]

@@ -7,13 +7,10 @@ Token positions are in response coordinates: column ``t`` of the batch's ``[B, T
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
-
-if TYPE_CHECKING:
-    from rlkit.data.batch import Batch
 
 CALL_STATUSES = ("ok", "unparsable", "unknown_tool", "bad_arguments", "error", "timeout")
 """A tool call's outcome; every status but "ok" gives the model an error message as the call's result."""
@@ -85,21 +82,26 @@ class Trajectory:
         return sum(c.status != "ok" for t in self.turns for c in t.calls)
 
 
-def turns_frame(batch: Batch) -> pd.DataFrame:
+def turns_frame(
+    trajectories: list[Trajectory],
+    turn_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    group: torch.Tensor,
+    advantages: torch.Tensor | None,
+    gap: torch.Tensor | None,
+    checked: torch.Tensor,
+) -> pd.DataFrame:
     """One row per turn of every trajectory: the model's text and tokens, its calls and their results, the
-    observation, the environment's reward, how it ended, and (when the batch has them) the turn's mean advantage
-    and mean |trainer - engine| log-prob gap over its model tokens."""
-    if batch.trajectories is None or batch.turn_index is None:
-        raise ValueError("this batch holds single-turn completions: it has no turns (run with tools or an environment)")
-    gap = batch.logprob_gap_tokens()
-    checked = batch.engine_checked()
+    observation, the environment's reward, how it ended, and (where given) the turn's mean advantage and mean
+    |trainer - engine| log-prob gap over its model tokens. ``turn_index``, ``response_mask``, ``advantages``, ``gap``
+    and ``checked`` (the tokens with an engine log-prob) are [B, T] over the responses; ``group`` is [B]."""
     rows = []
-    for i, trajectory in enumerate(batch.trajectories):
+    for i, trajectory in enumerate(trajectories):
         for turn in trajectory.turns:
-            model = (batch.turn_index[i] == turn.index) & (batch.response_mask[i] > 0)
+            model = (turn_index[i] == turn.index) & (response_mask[i] > 0)
             rows.append({
                 "trajectory": i,
-                "group": int(batch.group[i]),
+                "group": int(group[i]),
                 "turn": turn.index,
                 "text": turn.text,
                 "model_tokens": int(model.sum()),
@@ -109,7 +111,7 @@ def turns_frame(batch: Batch) -> pd.DataFrame:
                 "env_reward": turn.reward,
                 "finish": turn.finish,
                 "error": trajectory.error if turn is trajectory.turns[-1] else "",
-                "advantage": _mean(batch.advantages, i, model),
+                "advantage": _mean(advantages, i, model),
                 "logprob_gap_mean": _mean(gap, i, model & checked[i]),
             })  # fmt: skip
     return pd.DataFrame(rows)

@@ -15,6 +15,7 @@ Per-phase memory: a :class:`MemoryTracker` on each rank, ``tracker.mark("rollout
 
 Before launch, from the config alone (no cluster)::
 
+    check_launch(cfg, world_size=8, device="cuda")   # ConfigError: the config against the cluster, the model's family
     estimate_memory(config_json, world_size=8, device_memory_gib=139.8, ...)   # per-phase peak, fixes
     preflight(cfg, world_size=8, device_memory_gib=139.8)                      # Findings: memory-will-not-fit
 """
@@ -35,7 +36,7 @@ from rlkit.diagnostics.memory import (
 )
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
 from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
-from rlkit.diagnostics.preflight import estimate_for, keeps_unsharded, memory_setting, preflight
+from rlkit.diagnostics.preflight import check_launch, estimate_for, keeps_unsharded, memory_setting, preflight
 from rlkit.diagnostics.scaling import memory_scaling
 from rlkit.diagnostics.sharding import Sharding, sharding
 
@@ -53,6 +54,7 @@ __all__ = [
     "ModelShape",
     "RankReport",
     "Sharding",
+    "check_launch",
     "checksum",
     "estimate_for",
     "estimate_memory",

@@ -14,7 +14,8 @@ hypothesis leaves of it:
 - "dtype floor": the engine computes in a lower precision than the trainer, and the gap is within 3x the trainer's
   own floor (its log-probs under autocast to the engine's dtype against its own); the hf engine's weights
   re-scored in fp32 show how much of it is the weights' rounding and how much the lower-precision kernels;
-- "tokenisation": engine and trainer token ids of multi-turn rollouts (not applicable to single-turn rollouts yet).
+- "tokenisation": multi-turn rollouts whose re-rendered conversation drifted from the engine's ids (single-turn
+  rollouts: never named, the trainer scores the engine's ids).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class MismatchReport:
     """``trainer.mismatch()``: the tokens, grouped four ways, the gap's statistics and the checks."""
 
     tokens: pd.DataFrame
-    """One row per response token with an engine log-prob: sample, rank, group, turn (0 until multi-turn rollouts),
+    """One row per response token with an engine log-prob: sample, rank, group, turn (the model turn; 0: single-turn),
     position, token_id, token, engine_logprob, trainer_logprob, delta (trainer - engine), ratio (exp delta),
     abs_delta, repeated (the token occurred earlier in the prompt or response)."""
     by_position: pd.DataFrame
@@ -109,11 +110,12 @@ def token_table(batch: Batch, trainer: torch.Tensor, decode: Callable[[int], str
     ids = batch.input_ids[:, batch.prompt_length :]
     token_ids = ids[rows, positions]
     rank = batch.rank[rows] if batch.rank is not None else torch.zeros_like(rows)
+    turn = batch.turn_index[rows, positions] if batch.turn_index is not None else torch.zeros_like(rows)
     return pd.DataFrame({
         "sample": rows.tolist(),
         "rank": rank.tolist(),
         "group": batch.group[rows].tolist(),
-        "turn": [0] * len(rows),
+        "turn": turn.tolist(),
         "position": positions.tolist(),
         "token_id": token_ids.tolist(),
         "token": [decode(int(i)) for i in token_ids],
@@ -160,9 +162,22 @@ def run_checks(
         _penalty_check(gap, batch, rescored),
         _stale_check(rescored, gap_history),
         _dtype_check(gap, batch, rescored),
-        ("tokenisation", False, "single-turn rollouts: engine and trainer score the same token ids", ""),
+        _tokenisation_check(batch),
     ]  # fmt: skip
     return checks
+
+
+def _tokenisation_check(batch: Batch) -> tuple[str, bool, str, str]:
+    """Multi-turn rollouts: trajectories whose re-rendered conversation drifted from the ids the engine saw."""
+    if batch.trajectories is None:
+        return "tokenisation", False, "single-turn rollouts: engine and trainer score the same token ids", ""
+    drifted = [t.drift for t in batch.trajectories if t.drift]
+    evidence = (f"{len(drifted)} of {len(batch.trajectories)} trajectories' re-rendered conversations differ from "
+                f"the engine's ids; first: {drifted[0]}" if drifted else
+                "multi-turn rollouts: the trainer scores the engine's own ids (token in, token out), no drift")
+    fix = ("the chat template renders earlier turns differently from how the model produced them: train on the "
+           "engine's ids (rlkit does) and fix the template if the drift is in the prompt part")
+    return "tokenisation", bool(drifted), evidence, fix if drifted else ""
 
 
 def _hypothesis(

@@ -1,4 +1,5 @@
-"""Before launch: the memory estimate of a run config, and the lint findings it raises (no cluster, no weights).
+"""Before launch: the config against the cluster and the model's family (:func:`check_launch`), the memory estimate
+of a run config, and the lint findings it raises (no cluster, no weights).
 
     findings = preflight(cfg, world_size=8, device_memory_gib=139.8)   # reads cfg.model's config.json
     print(findings)                                                    # "memory-will-not-fit" with its fixes
@@ -12,13 +13,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlkit.config import ConfigError
 from rlkit.diagnostics import rules
 from rlkit.diagnostics.estimate import MemoryEstimate, estimate_memory
 from rlkit.diagnostics.lint import SEVERITIES, Finding, Findings
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
+from rlkit.models import model_family_problems
 
 if TYPE_CHECKING:
-    from rlkit.config import RLConfig
+    from rlkit.config import PreferenceConfig, RLConfig
+
+
+def check_launch(config: RLConfig | PreferenceConfig, world_size: int, device: str = "cpu", **placement: Any) -> None:
+    """Raise ConfigError with every problem at once: the config against ``world_size`` ranks on ``device``
+    (``config.cluster_problems``; ``placement``: its ``nodes`` and ``node_gpus`` for GRPO/PPO) and what the model's
+    family lacks for FSDP and the rollout engine (:func:`rlkit.models.model_family_problems`)."""
+    problems = config.cluster_problems(world_size, device, **placement) + model_family_problems(config, device)
+    if problems:
+        raise ConfigError(problems)
 
 
 def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: float) -> MemorySetting:
@@ -53,6 +65,9 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         kv_cache_gib=rollout.kv_cache_gb,
         engine_sleep=rollout.sleep,
+        lora_rank=config.lora.rank,
+        lora_targets=config.lora.target_modules,
+        lora_sync=rollout.lora_sync,
     )
 
 

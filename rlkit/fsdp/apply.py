@@ -11,21 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from rlkit.config import FSDPConfig
+from rlkit.models.families import decoder_layers
 from rlkit.models.head import response_head
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules a Hugging Face model declares unsplittable (its decoder layers), in order."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} declares no _no_split_modules, so there is nothing to wrap per layer; "
-            "one giant FSDP unit would gather the whole model at once"
-        )
-    return layers
 
 
 def param_dtype(config: FSDPConfig, device_type: str) -> torch.dtype:
@@ -95,7 +84,7 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     )
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import CustomPolicy
 
     compute = param_dtype(config, mesh.device_type)
     strategy = {
@@ -108,9 +97,16 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
     device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
     layer_types = tuple({type(layer) for layer in decoder_layers(model)})
+    # LoRA: a flat parameter holds one dtype and takes gradients for all or none, so the trained leaves (adapters,
+    # modules_to_save) get units of their own beside the frozen base's
+    frozen = any(not p.requires_grad for p in model.parameters())
+
+    def own_unit(module: torch.nn.Module) -> bool:
+        return isinstance(module, layer_types) or (frozen and _trained_leaf(module))
+
     wrapped = FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy(set(layer_types)),
+        auto_wrap_policy=CustomPolicy(own_unit),
         sharding_strategy=strategy,
         mixed_precision=MixedPrecision(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
         backward_prefetch=prefetch[config.backward_prefetch],
@@ -130,3 +126,9 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
             check_fn=lambda module: isinstance(module, layer_types),
         )
     return wrapped
+
+
+def _trained_leaf(module: torch.nn.Module) -> bool:
+    """A module without children whose parameters all train (a LoRA matrix, a modules_to_save copy's layer)."""
+    params = list(module.parameters(recurse=False))
+    return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)

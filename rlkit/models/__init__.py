@@ -1,6 +1,13 @@
 """Loading local Hugging Face model directories, and the bundled tiny model."""
 
-from rlkit.models.families import check_model_family
+from rlkit.models.families import check_model_family, decoder_layers, model_family_problems
 from rlkit.models.loading import load_causal_lm, load_tokenizer, resolve_model_dir
 
-__all__ = ["check_model_family", "load_causal_lm", "load_tokenizer", "resolve_model_dir"]
+__all__ = [
+    "check_model_family",
+    "decoder_layers",
+    "load_causal_lm",
+    "load_tokenizer",
+    "model_family_problems",
+    "resolve_model_dir",
+]

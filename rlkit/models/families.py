@@ -15,9 +15,14 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from rlkit.models.tiny import BUNDLED_MODELS
+
+if TYPE_CHECKING:
+    from rlkit.config import LoraConfig, PreferenceConfig, RLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,43 @@ FLASH_ATTENTION = {
 """Attention implementations that need CUDA: (the module they import, the package that provides it)."""
 
 
+def model_family_problems(config: RLConfig | PreferenceConfig, device: str) -> list[str]:
+    """:func:`check_model_family` of a run config's model: its rollout engine and tensor-parallel size (a
+    preference config rolls nothing out: FSDP's needs only)."""
+    rollout = getattr(config, "rollout", None)
+    return check_model_family(
+        BUNDLED_MODELS.get(config.model, Path(config.model)),
+        engine=rollout.engine if rollout is not None else "hf",
+        device=device,
+        trust_remote_code=config.trust_remote_code,
+        tensor_parallel_size=rollout.tensor_parallel_size if rollout is not None else 1,
+        lora=getattr(config, "lora", None),
+    )
+
+
+def _lora_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """Why ``lora.target_modules`` cannot bind to the (meta-device) ``model``: matches nothing or only some layers."""
+    from rlkit.models.lora import bind
+
+    try:
+        bind(model, lora)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules a Hugging Face model declares unsplittable (its decoder layers), in order: FSDP's units."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules, so there is nothing to wrap per layer; "
+            "one giant FSDP unit would gather the whole model at once"
+        )
+    return layers
+
+
 def check_model_family(
     model_dir: str | Path,
     *,
@@ -40,8 +82,10 @@ def check_model_family(
     device: str = "cpu",
     trust_remote_code: bool = False,
     tensor_parallel_size: int = 1,
+    lora: LoraConfig | None = None,
 ) -> list[str]:
-    """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``.
+    """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``
+    (with ``lora`` on: its target modules must bind to every decoder layer, :func:`rlkit.models.lora.bind`).
 
     Args:
         model_dir: a local Hugging Face model directory.
@@ -60,6 +104,8 @@ def check_model_family(
     # with the attention reported, check the rest as transformers' default (sdpa or eager) would build it
     model, problem = _meta_model(config, trust_remote_code, "eager" if problems else None, where)
     problems += [problem] if model is None else _decoder_layer_problems(model, where)
+    if model is not None and lora is not None and lora.enabled:
+        problems += _lora_problems(model, lora)
     if engine == "vllm" and importlib.util.find_spec("vllm") is not None:  # rollout.engine reports it missing
         problems += _vllm_problems(config, device, where)
     return problems
@@ -103,9 +149,7 @@ def _meta_model(
 
 
 def _decoder_layer_problems(model: torch.nn.Module, where: str) -> list[str]:
-    """FSDP wraps each module of a class named in ``_no_split_modules`` (rlkit.fsdp.decoder_layers)."""
-    from rlkit.fsdp.apply import decoder_layers
-
+    """FSDP wraps each module of a class named in ``_no_split_modules`` (:func:`decoder_layers`)."""
     try:
         decoder_layers(model)
     except ValueError:

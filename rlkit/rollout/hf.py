@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -19,30 +19,32 @@ class HFEngine:
     the scores generate samples from, so memory stays at one [N*n, V] step, not
     the whole [N*n, T, V] of logits; they cost next to nothing here, so every row
     has them (``rollout.engine_logprobs`` is vLLM's).
+
+    Sampling follows rlkit's SamplingParams only: the model directory's ``generation_config.json`` is
+    replaced by transformers' defaults, so a shipped ``repetition_penalty`` (or any other logits
+    processor) cannot apply at sampling while the trainer's log-probs ignore it (vLLM's engine is built
+    with ``generation_config="vllm"`` for the same reason).
     """
 
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int):
-        self.model: Any = model.eval().requires_grad_(False)  # a transformers model: generate() is typed loosely
+        from transformers import GenerationConfig
+
+        model.eval().requires_grad_(False)
+        self.model: Any = cast(Any, model)  # a transformers model: generate() is typed loosely
+        self.model.generation_config = GenerationConfig()  # generate() fills unset settings from this one
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generation:
         torch.manual_seed(params.seed)
-        greedy = params.temperature == 0
-        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         recorder = _SampledLogprobs(params.temperature, params.top_p)
         sequences = self.model.generate(
             input_ids=prompt_ids.repeat_interleave(params.n, dim=0),  # what num_return_sequences does, greedy too
             attention_mask=prompt_mask.repeat_interleave(params.n, dim=0),
-            do_sample=not greedy,
-            **sampling,
-            max_new_tokens=params.max_new_tokens,
-            min_new_tokens=params.min_new_tokens,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
+            generation_config=self._generation_config(params),
             logits_processor=[recorder],
         )
         response = sequences[:, prompt_ids.shape[1] :]
@@ -55,6 +57,21 @@ class HFEngine:
             logprobs=_pad_to(logprobs.masked_fill(mask == 0, 0.0), width, 0),
             logprob_rows=torch.ones(len(response), dtype=torch.bool, device=response.device),
             finish_reason=["stop" if f else "length" for f in finished.tolist()],
+        )
+
+    def _generation_config(self, params: SamplingParams) -> Any:
+        """transformers' GenerationConfig for ``params``: temperature and top_p (top_k off), nothing else."""
+        from transformers import GenerationConfig
+
+        greedy = params.temperature == 0
+        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        return GenerationConfig(
+            do_sample=not greedy,
+            **sampling,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
         )
 
     @torch.no_grad()

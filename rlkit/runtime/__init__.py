@@ -6,9 +6,10 @@ On a worker, inside a function given to ``run``, ``context()`` tells the rank, d
 
 from rlkit.runtime.cluster import Cluster, PerRank
 from rlkit.runtime.context import WorkerContext, context
-from rlkit.runtime.errors import ClusterBroken, RemoteError, WorkerDied, WorkerHung, WorkerOutOfMemory
+from rlkit.runtime.errors import ClusterBroken, RemoteError, RolesReplaced, WorkerDied, WorkerHung, WorkerOutOfMemory
 from rlkit.runtime.launch import launch
-from rlkit.runtime.roles import Role, RoleGroup, local_instance
+from rlkit.runtime.roles import Role, RoleGroup, RoleOwner, local_instance
 
-__all__ = ["launch", "Cluster", "PerRank", "Role", "RoleGroup", "context", "local_instance", "WorkerContext",
-           "RemoteError", "WorkerDied", "WorkerHung", "WorkerOutOfMemory", "ClusterBroken"]
+__all__ = ["launch", "Cluster", "PerRank", "Role", "RoleGroup", "RoleOwner", "context", "local_instance",
+           "WorkerContext", "RemoteError", "WorkerDied", "WorkerHung", "WorkerOutOfMemory", "ClusterBroken",
+           "RolesReplaced"]

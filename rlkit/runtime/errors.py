@@ -145,6 +145,10 @@ class ClusterBroken(RuntimeError):
     """The cluster cannot take calls any more (a worker died, a call was interrupted, or it was shut down)."""
 
 
+class RolesReplaced(RuntimeError):
+    """A call through a :class:`rlkit.runtime.RoleGroup` whose roles another owner's replaced on the cluster."""
+
+
 def describe_exit(code: int | None) -> str:
     """Human-readable form of a ``Popen.returncode`` (negative: killed by that signal)."""
     if code is None:

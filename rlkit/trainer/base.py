@@ -8,22 +8,24 @@ from that role group or from the rows the steps append.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
-import shutil
 import time
-import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from rlkit import diagnostics
-from rlkit.runtime import Cluster, RoleGroup
+from rlkit.runtime import Cluster, RoleGroup, RoleOwner
 from rlkit.tracking import Tracker, build_trackers
+from rlkit.trainer import checkpoints
 from rlkit.trainer.outputs import HISTORY, HistoryFile, checkpoint_folder, output_folder, write_config, write_samples
+from rlkit.trainer.safety import NeedsResume, interrupts_held
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.phases import PhaseReport
 
@@ -31,6 +33,16 @@ logger = logging.getLogger(__name__)
 
 SAMPLES_EVERY = 10
 """Trackers get the sample table of step 1 and of every SAMPLES_EVERY-th step."""
+
+@dataclasses.dataclass
+class Change:
+    """A phase that changes the models (:meth:`PolicyTrainerBase._changing_models`): did its role calls complete?"""
+
+    completed: bool = False
+
+
+_numbers = itertools.count(1)
+"""The numbers that tell this process's trainers apart in messages (``Trainer #2``)."""
 
 
 class PolicyTrainerBase(ABC):
@@ -44,6 +56,13 @@ class PolicyTrainerBase(ABC):
 
     def _start_run(self, cluster: Cluster, config: Any) -> None:
         self.cluster = cluster
+        self.name = f"{type(self).__name__} #{next(_numbers)}"
+        """What messages call this trainer (a newer one on the same cluster replaces its roles)."""
+        self._owner = RoleOwner(self.name)
+        """The holder of this trainer's roles on the cluster: pass ``owner=self._owner`` to every RoleGroup."""
+        self._needs_resume: str | None = None
+        self._checkpoint: Path | None = None
+        self._update_hint()
         self.output_dir = output_folder(config)
         """The run's folder (history.csv, config.toml, samples/, trackers, checkpoints/), or None: no files."""
         if self.output_dir is not None and not config.output_dir:  # checkpoints name it: a resume writes there too
@@ -130,18 +149,61 @@ class PolicyTrainerBase(ABC):
         """The policy alone as a Hugging Face directory at ``path`` (safetensors, config, tokenizer; no optimizer):
         ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and vLLM load it as it is. Written under a
         hidden name and renamed into place, replacing an earlier one, so ``path`` is never half-written."""
+        self._check_usable()
         path = Path(path).absolute()
-        partial = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
-        partial.mkdir(parents=True)
-        try:
+        with checkpoints.written_in_place(path) as partial:
             self._policy.call(ActorRole.export, str(partial))
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(partial, path)
         return path
+
+    # -- phases that complete or leave the trainer as it was (rlkit.trainer.safety) ---------------
+
+    def _check_usable(self) -> None:
+        """Refuse a phase of a trainer whose roles a newer trainer replaced, or that needs a resume."""
+        self._owner.check(self.cluster)
+        if self._needs_resume is not None:
+            raise NeedsResume(f"{self.name} needs a resume: {self._needs_resume}, so it refuses to go on from "
+                              f"part-way weights. {self._owner.hint}")
+
+    @contextmanager
+    def _changing_models(self, phase: str) -> Iterator[Change]:
+        """Around a phase that changes the models: Stop waits for it to complete; if it ends early after some
+        rank's weights moved, the trainer needs a resume (:meth:`_check_usable` refuses what follows). The block
+        sets ``change.completed`` once the roles' calls returned (what fails after is bookkeeping)."""
+        self._check_usable()
+        before = self._steps_begun()
+        change = Change()
+        try:
+            with interrupts_held(phase):
+                yield change
+        except BaseException as exc:
+            if not change.completed:
+                self._after_failure(phase, before, exc)
+            raise
+
+    def _after_failure(self, phase: str, before: list[int], exc: BaseException) -> None:
+        try:
+            moved = self._steps_begun() != before
+        except BaseException:  # noqa: BLE001 - a dead or broken cluster cannot say: assume the worst
+            moved = True
+        if not moved:
+            exc.add_note(f"rlkit: no weights changed: {self.name} is as it was before this {phase}.")
+            return
+        self._needs_resume = f"{phase} ended early ({type(exc).__name__}) after optimizer steps had begun"
+        exc.add_note(f"rlkit: {self.name} now needs a resume: its weights moved part-way through the {phase}. "
+                     f"{self._owner.hint}")
+
+    def _steps_begun(self) -> list[int]:
+        """Each rank's optimizer steps begun, per role: they change exactly when some weights move."""
+        return self._policy.call(ActorRole.steps_begun)
+
+    def _update_hint(self) -> None:
+        """What a refusal tells the person to do: resume from this trainer's last checkpoint."""
+        kind = type(self).__name__
+        if self._checkpoint is not None:
+            self._owner.hint = f"Continue from its last checkpoint: rlkit.{kind}.resume(cluster, '{self._checkpoint}')."
+        else:
+            self._owner.hint = (f"It saved no checkpoint: build a new one (rlkit.{kind}(cluster, config)), or resume "
+                                f"one saved earlier with rlkit.{kind}.resume(cluster, path).")
 
     def _warn_past_schedule(self) -> None:
         """Before a step: warn (once) when it is the first past ``config.steps``, which the learning-rate schedule
@@ -218,6 +280,21 @@ class PolicyTrainerBase(ABC):
     def memory(self) -> pd.DataFrame:
         """Each rank's memory at the phase boundaries of the last step, broken down by what holds it."""
         return diagnostics.memory_table(self._policy.call(ActorRole.memory_marks))
+
+    def adapters(self) -> pd.DataFrame:
+        """Where each rank's LoRA adapters bound: one row per rank and adapted module name (e.g. "self_attn.q_proj"),
+        with how many decoder layers have it, of how many (0 for a module outside the layers). Empty without
+        LoRA. Ranks must agree (they bind the same model with the same targets)."""
+        rows = []
+        for rank, binding in enumerate(self._policy.call(ActorRole.adapter_binding)):
+            if binding is None:
+                continue
+            layers = len(binding.per_layer)
+            rows += [{"rank": rank, "module": name, "layers": count, "of_layers": layers}
+                     for name, count in binding.summary().items()]
+            rows += [{"rank": rank, "module": name, "layers": 0, "of_layers": layers}
+                     for name in binding.outside_layers]
+        return pd.DataFrame(rows, columns=["rank", "module", "layers", "of_layers"])
 
     def grad_norms(self) -> diagnostics.GradNorms:
         """The last optimizer step's per-rank, per-unit gradient norms, the true global norm, disagreements."""

@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +40,37 @@ def publish(partial: Path, step: int, meta: dict[str, Any], keep_last: int) -> P
         f.flush()
         os.fsync(f.fileno())
     final = partial.parent / f"step-{step:06d}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(partial, final)
-    _fsync_dir(partial.parent)
+    replace_folder(partial, final)
     for old in complete(partial.parent)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old)
     return final
+
+
+@contextmanager
+def written_in_place(path: Path) -> Iterator[Path]:
+    """``with written_in_place(path) as partial:`` write into ``partial``, a hidden folder beside ``path``; at the end
+    of the block it replaces ``path`` (:func:`replace_folder`); a block that raises leaves ``path`` as it was."""
+    partial = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    replace_folder(partial, path)
+
+
+def replace_folder(partial: Path, final: Path) -> None:
+    """Put the complete folder ``partial`` in place of ``final`` by renames: ``final`` is never half-written; at every
+    moment it is the old folder, absent, or the new one (the old one is renamed aside first, then removed)."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
 
 
 def complete(root: Path) -> list[Path]:

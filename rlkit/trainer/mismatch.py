@@ -1,24 +1,22 @@
-"""The controller's side of ``trainer.mismatch()`` and ``trainer.certify()``: a rollout nothing trains on, each rank's
-re-scoring of it (:meth:`PolicyWorker.mismatch_probe`), and the report (:mod:`rlkit.diagnostics.mismatch`)."""
+"""The controller's side of ``trainer.mismatch()`` and ``trainer.certify()``: each rank's re-scoring of a rollout
+nothing trains on (:meth:`PolicyWorker.mismatch_probe`), the report (:mod:`rlkit.diagnostics.mismatch`) and the
+gap floor."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 
+from rlkit.config import RolloutConfig
 from rlkit.data.batch import Batch
 from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
-from rlkit.runtime import PerRank
-from rlkit.trainer.assemble import assemble_batch, tokenize_prompts
+from rlkit.runtime import PerRank, RoleGroup
 from rlkit.workers import PolicyWorker
 from rlkit.workers.batches import Rows
-
-if TYPE_CHECKING:
-    from rlkit.trainer.trainer import Trainer
 
 CERTIFY_SEED = 424_242
 """The sampling seed of :func:`certify`'s rollout (offset by the config's seed and the rank)."""
@@ -61,32 +59,12 @@ class GapFloor:
                 f"{self.tokens} tokens; {verdict}")  # fmt: skip
 
 
-def side_rollout(trainer: Trainer, seed: int) -> Batch:
-    """The next prompts' completions and log-probs, as :meth:`Trainer.rollout` makes them, with sampling seeds
-    ``seed + rank``; nothing is trained and the prompt stream is left where it was."""
-    cfg, ranks = trainer.config, trainer.cluster.world_size
-    position = trainer._prompts.state_dict()
-    try:
-        items = trainer._prompts.next(cfg.prompts_per_step)
-    finally:
-        trainer._prompts.load_state_dict(position)
-    texts = [item["prompt"] for item in items]
-    prompt_ids, prompt_mask = tokenize_prompts(
-        trainer.tokenizer, texts, cfg.data.max_prompt_tokens, trainer._prompts.add_special_tokens
-    )
-    results = trainer._policy.call(
-        PolicyWorker.rollout,
-        PerRank(list(prompt_ids.chunk(ranks))),
-        PerRank(list(prompt_mask.chunk(ranks))),
-        PerRank([seed + r for r in range(ranks)]),
-    )
-    return assemble_batch(trainer.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
-
-
-def probe(trainer: Trainer, batch: Batch, max_rows: int) -> MismatchReport:
+def probe(
+    policy: RoleGroup, batch: Batch, max_rows: int, decode: Callable[[int], str], gap_history: list[float]
+) -> MismatchReport:
     """Each rank re-scores the first ``max_rows / world size`` of its rows of ``batch`` that carry engine log-probs
-    (as many on every rank); the report of those rows."""
-    ranks = trainer.cluster.world_size
+    (as many on every rank); the report of those rows. ``gap_history``: the run's rollout/logprob_gap/mean."""
+    ranks = policy.cluster.world_size
     shards = batch.split(ranks)
     with_engine = [torch.ones(len(s), dtype=torch.bool) if s.rollout_logprob_rows is None else s.rollout_logprob_rows
                    for s in shards]  # fmt: skip
@@ -95,24 +73,18 @@ def probe(trainer: Trainer, batch: Batch, max_rows: int) -> MismatchReport:
         raise ValueError("a rank's rollout has no engine log-probs to compare: set rollout.engine_logprobs > 0")
     picked = [s.select(rows.nonzero().squeeze(1)[:per_rank]) for s, rows in zip(shards, with_engine, strict=True)]
     rows = [Rows(input_ids=s.input_ids, attention_mask=s.attention_mask, response_mask=s.response_mask) for s in picked]
-    rescored = trainer._policy.call(PolicyWorker.mismatch_probe, PerRank(rows))
-    history = trainer.history
-    gaps = history["rollout/logprob_gap/mean"].dropna().tolist() if "rollout/logprob_gap/mean" in history else []
-    decode = lambda i: trainer.tokenizer.decode([i])  # noqa: E731
-    return mismatch_report(Batch.concat(picked), rescored, decode=decode, gap_history=gaps)
+    rescored = policy.call(PolicyWorker.mismatch_probe, PerRank(rows))
+    return mismatch_report(Batch.concat(picked), rescored, decode=decode, gap_history=gap_history)
 
 
-def certify(trainer: Trainer, max_rows: int) -> GapFloor:
-    """A fixed-seed rollout of the next prompts, re-scored: the gap floor and any named cause."""
-    cfg = trainer.config
-    batch = side_rollout(trainer, cfg.seed * 1_000_003 + CERTIFY_SEED)
-    report = probe(trainer, batch, max_rows)
+def gap_floor(report: MismatchReport, rollout: RolloutConfig) -> GapFloor:
+    """``trainer.certify()``'s summary of the report of a fixed-seed rollout."""
     gaps, s = report.tokens["abs_delta"], report.summary
     return GapFloor(
-        engine=cfg.rollout.engine,
+        engine=rollout.engine,
         dtypes=report.dtypes,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
         tokens=int(s.get("tokens", 0)),
         abs_delta_mean=s.get("abs_delta_mean", math.nan),
         abs_delta_p99=float(gaps.quantile(0.99)) if len(gaps) else math.nan,

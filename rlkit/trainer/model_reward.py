@@ -6,7 +6,7 @@ import torch
 
 from rlkit.config import RLConfig
 from rlkit.data.rewards import RewardError
-from rlkit.runtime import Cluster, PerRank, RemoteError, RoleGroup
+from rlkit.runtime import Cluster, PerRank, RemoteError, RoleGroup, RoleOwner
 from rlkit.workers import RewardModelWorker
 
 
@@ -20,16 +20,18 @@ class ModelReward:
 
     __name__ = "reward_model"
 
-    def __init__(self, cluster: Cluster, config: RLConfig):
+    def __init__(self, cluster: Cluster, config: RLConfig, owner: RoleOwner):
         self.cluster = cluster
         self.workers = RoleGroup(
             cluster,
             RewardModelWorker,
             config.reward_model.path,
             micro_batch_size=config.micro_batch_size,
+            max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
             max_length=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
             fsdp=config.fsdp,
             trust_remote_code=config.trust_remote_code,
+            owner=owner,
         )
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: object) -> list[float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from rlkit import diagnostics
 from rlkit.algos import kto_metrics, kto_mismatched_pairs, preference_metrics
 from rlkit.config import PreferenceConfig, config_from_dict
 from rlkit.data.files import PromptInput
@@ -27,7 +29,7 @@ from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, PerRank, RoleGroup
 from rlkit.trainer import checkpoints
 from rlkit.trainer.assemble import preference_rows
-from rlkit.trainer.base import PolicyTrainerBase
+from rlkit.trainer.base import Change, PolicyTrainerBase
 from rlkit.trainer.metrics import memory_columns
 from rlkit.workers import PreferenceResult, PreferenceRows, PreferenceWorker
 
@@ -57,7 +59,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         pairs: PromptInput | None = None,
         val_pairs: PromptInput | None = None,
     ):
-        config.check_cluster(cluster.world_size, cluster.device)
+        diagnostics.check_launch(config, cluster.world_size, cluster.device)
         self.config: PreferenceConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
@@ -69,20 +71,36 @@ class PreferenceTrainer(PolicyTrainerBase):
         self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", summary)
         self._last: tuple[list[dict[str, Any]], list[PreferenceResult]] | None = None
-        self._policy = RoleGroup(cluster, PreferenceWorker, config, str(self.model_dir))
+        self._policy = RoleGroup(cluster, PreferenceWorker, config, str(self.model_dir), owner=self._owner)
 
     def step(self) -> dict[str, float]:
         """One optimizer step on the next ``batch_size`` examples over all ranks; appends a row to
-        :attr:`history` and returns it."""
+        :attr:`history` and returns it.
+
+        Stop (KeyboardInterrupt) waits for the step to complete; a step that fails before its optimizer step leaves
+        the trainer as it was (the examples it drew are drawn again), one that fails after refuses further phases
+        until a resume."""
         cfg = self.config
+        self._check_usable()
         self._warn_past_schedule()
         start = time.perf_counter()
         self._phase_times, self._worker_times = {}, {}
-        items = self._examples.next(cfg.batch_size)
+        position, done = self._examples.state_dict(), self.steps_done
+        try:
+            with self._changing_models("step") as change:
+                row = self._step(self._examples.next(cfg.batch_size), start, change)
+        except BaseException:
+            if self._needs_resume is None and self.steps_done == done:  # nothing moved: draw these examples again
+                self._examples.load_state_dict(position)
+            raise
+        return row
+
+    def _step(self, items: list[dict[str, Any]], start: float, change: Change) -> dict[str, float]:
         rows, mismatched = self._rank_rows(items)
         results = self._policy.call(PreferenceWorker.update, PerRank(rows), PerRank(mismatched))
-        self._record("update", start, results)
+        change.completed = True
         self.steps_done += 1
+        self._record("update", start, results)
         self._last = (items, results)
         norms = [r.metrics["actor/grad_norm"] for r in results]
         seconds = time.perf_counter() - start
@@ -104,6 +122,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         TRL's eval metrics. After a step they also go into that step's row of :attr:`history` and the trackers."""
         if self._val is None:
             raise ValueError("no held-out examples: set data.val_files or pass PreferenceTrainer(val_pairs=...)")
+        self._check_usable()
         start = time.perf_counter()
         items = self._val.items
         ranks = self.cluster.world_size
@@ -171,15 +190,22 @@ class PreferenceTrainer(PolicyTrainerBase):
 
         Atomic: it appears only when complete. All but the newest ``config.checkpoint.keep_last`` are dropped.
         """
+        self._check_usable()
         partial = checkpoints.partial_dir(Path(path), self.steps_done)
-        self._policy.call(PreferenceWorker.save, str(partial), self.config.checkpoint.export_hf)
+        try:
+            self._policy.call(PreferenceWorker.save, str(partial), self.config.checkpoint.export_hf)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         meta = {
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
             "examples": self._examples.state_dict(),
             "history": self._rows,
         }
-        return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+        self._checkpoint = checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+        self._update_hint()
+        return self._checkpoint
 
     @classmethod
     def resume(
@@ -208,6 +234,8 @@ class PreferenceTrainer(PolicyTrainerBase):
         trainer.steps_done = meta["steps_done"]
         trainer._rows = meta["history"]
         trainer._examples.load_state_dict(meta["examples"])
+        trainer._checkpoint = checkpoint
+        trainer._update_hint()
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer
 

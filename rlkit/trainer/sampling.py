@@ -23,9 +23,12 @@ def refill_informative(
 ) -> tuple[Batch, dict]:
     """``groups`` whole prompt groups, informative ones first, from ``first`` and up to ``max_rounds`` more draws.
 
+    Each drawn batch's group ids are renumbered past every id already in hand, so rows of different prompts
+    never share a group, whatever ids ``first`` carries (e.g. an earlier refill's, retried after a reward failure).
+
     Args:
-        first: a scored batch of ``groups`` groups (its ``group`` ids 0 .. groups - 1).
-        draw: ``draw(round)`` -> the next scored batch, its group ids offset by ``round * groups``.
+        first: a scored batch of ``groups`` groups (any group ids).
+        draw: ``draw(round)`` -> the next scored batch (round 1, 2, ...), its group ids 0 .. groups - 1.
     Returns:
         the batch, and the metrics sampling/rounds (extra draws made), sampling/informative_frac (of the
         first draw's groups) and sampling/filled (uninformative groups that filled the step).
@@ -35,7 +38,9 @@ def refill_informative(
     first_frac = _group_count(first, keep[0]) / groups
     while sum(_group_count(b, k) for b, k in zip(batches, keep, strict=True)) < groups and rounds < max_rounds:
         rounds += 1
-        batches.append(draw(rounds))
+        drawn = draw(rounds)
+        drawn.group = drawn.group + int(torch.cat([b.group for b in batches]).max()) + 1
+        batches.append(drawn)
         keep.append(informative_groups(batches[-1].filled("rewards"), batches[-1].group))
     joined = Batch.concat(batches)
     informative = torch.cat(keep)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,10 +40,10 @@ from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tok
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
-from rlkit.trainer.mismatch import GapFloor, certify, probe, side_rollout
+from rlkit.trainer.mismatch import CERTIFY_SEED, GapFloor, gap_floor, probe
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
-from rlkit.workers import CriticWorker, PolicyWorker
+from rlkit.workers import CriticWorker, PolicyWorker, RolloutResult
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class Trainer(PolicyTrainerBase):
         tools: Sequence[Callable[..., Any]] | None = None,
         environment: Callable[[], Any] | None = None,
     ):
-        config.check_cluster(cluster.world_size, cluster.device, nodes=list(cluster.status()["host"]))
+        diagnostics.check_launch(config, cluster.world_size, cluster.device, nodes=list(cluster.status()["host"]))
         self.config: RLConfig = config
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
@@ -95,16 +97,22 @@ class Trainer(PolicyTrainerBase):
         self._position = self._prompts.state_dict()
         """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
         self._advantage_fn = advantage_fn
+        self._draws = 0
+        """Rollouts drawn since the last completed step (refills and re-run cells included): each its own seeds."""
         self.last_batch: Batch | None = None
+        self._trained: weakref.ref[Batch] | None = None
+        """The batch of the last update (a second update on it is warned about)."""
         findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
         if findings.items:
             logger.warning("%s", findings)
-        self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn, self.agent)
+        owner = self._owner
+        self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn, self.agent,
+                                 owner=owner)  # fmt: skip
         self._critic: RoleGroup[CriticWorker] | None = None
         if isinstance(config, PPOConfig):
             critic_dir = resolve_model_dir(config.critic.model) if config.critic.model else self.model_dir
-            self._critic = RoleGroup(cluster, CriticWorker, config, str(critic_dir))
-        self._reward_model = ModelReward(cluster, config) if config.reward_model.path else None
+            self._critic = RoleGroup(cluster, CriticWorker, config, str(critic_dir), owner=owner)
+        self._reward_model = ModelReward(cluster, config, owner) if config.reward_model.path else None
 
     @property
     def rewards(self) -> list[WeightedReward]:
@@ -132,37 +140,19 @@ class Trainer(PolicyTrainerBase):
         Returns a Batch with completions, engine and trainer log-probs (the latter only after the
         update with ``recompute_logprobs=False``), reference log-probs, and the critic's values with PPO.
         """
-        return self._rollout(0)
-
-    def _rollout(self, refill: int) -> Batch:
-        """:meth:`rollout`; ``refill`` > 0 is dynamic sampling's extra draw of the step (own seeds and group ids)."""
+        self._check_usable()
         cfg = self.config
         start = time.perf_counter()
         position = self._prompts.state_dict()
         items = self._prompts.next(cfg.prompts_per_step)
         try:
-            prompt_ids, prompt_mask = tokenize_prompts(
-                self.tokenizer,
-                [item["prompt"] for item in items],
-                cfg.data.max_prompt_tokens,
-                self._prompts.add_special_tokens,
-            )
+            prompt_ids, prompt_mask = self._tokenized(items)
         except ValueError:
             self._prompts.load_state_dict(position)
             raise
         ranks = self.cluster.world_size
-        seeds = [cfg.seed * 1_000_003 + self.steps_done * ranks + refill * 7_919_111 + r for r in range(ranks)]
-        per_rank = len(items) // ranks
-        episodes = None if self.agent is None else agentic.episode_inputs(items)
-        results = self._policy.call(
-            PolicyWorker.rollout,
-            PerRank(list(prompt_ids.chunk(ranks))),
-            PerRank(list(prompt_mask.chunk(ranks))),
-            PerRank(seeds),
-            PerRank([None if episodes is None else episodes[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]),
-        )
-        batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, cfg.group_size)
-        batch.group += refill * cfg.prompts_per_step
+        seeds = self._draw_seeds()  # every rollout its own: a re-run cell or a refill samples anew
+        batch, results = self._generated(items, prompt_ids, prompt_mask, seeds)
         self._record("rollout", start, results)
         if self._critic is not None:
             values = self._critic.call(
@@ -175,6 +165,39 @@ class Trainer(PolicyTrainerBase):
         if warning := logprob_gap_warning(batch, cfg.rollout.max_logprob_gap):
             logger.warning(warning)
         return batch
+
+    def _tokenized(self, items: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt items' [P, L] ids and attention mask (ValueError: a prompt longer than data.max_prompt_tokens)."""
+        texts = [item["prompt"] for item in items]
+        return tokenize_prompts(self.tokenizer, texts, self.config.data.max_prompt_tokens,
+                                self._prompts.add_special_tokens)  # fmt: skip
+
+    def _generated(
+        self, items: list[dict], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: list[int]
+    ) -> tuple[Batch, list[RolloutResult]]:
+        """Each rank's share of the prompts sampled (its episodes played, with an agent) with its seed, assembled."""
+        ranks = self.cluster.world_size
+        per_rank = len(items) // ranks
+        episodes = None if self.agent is None else agentic.episode_inputs(items)
+        results = self._policy.call(
+            PolicyWorker.rollout,
+            PerRank(list(prompt_ids.chunk(ranks))),
+            PerRank(list(prompt_mask.chunk(ranks))),
+            PerRank(seeds),
+            PerRank([None if episodes is None else episodes[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]),
+        )
+        batch = assemble_batch(self.tokenizer, items, prompt_ids, prompt_mask, results, self.config.group_size)
+        return batch, results
+
+    def _side_rollout(self, seeds: list[int]) -> Batch:
+        """The next prompts sampled as :meth:`rollout` would, with ``seeds``: nothing counts a draw, the prompt stream
+        is left where it was (``mismatch()``, ``certify()``)."""
+        position = self._prompts.state_dict()
+        try:
+            items = self._prompts.next(self.config.prompts_per_step)
+        finally:
+            self._prompts.load_state_dict(position)
+        return self._generated(items, *self._tokenized(items), seeds)[0]
 
     def score(self, batch: Batch) -> Batch:
         """Apply the reward function(s); returns the batch with ``rewards`` and ``reward_terms`` filled.
@@ -212,14 +235,51 @@ class Trainer(PolicyTrainerBase):
         return batch
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One critic update (PPO) and one policy update on ``batch`` across all ranks, then the weight sync.
+        """One critic update (PPO) and one policy update on ``batch`` across all ranks, then the weight sync; this
+        completes a step, as :meth:`step` does: ``steps_done`` counts it and :attr:`history` gets its row.
 
         Returns the roles' named metrics (actor/loss, actor/clipfrac, actor/entropy, actor/grad_norm,
-        actor/lr, ...; with PPO critic/loss, critic/value_clipfrac, ...), the same on every rank, plus
-        actor/grad_norm_rank_spread (0 when the ranks agree).
+        actor/lr, actor/skipped_steps, ...; with PPO critic/loss, critic/value_clipfrac, ...), the same on every
+        rank, plus actor/grad_norm_rank_spread (0 when the ranks agree).
+
+        Stop (KeyboardInterrupt) waits for the update to complete (a second Stop abandons it); an update that ends
+        early after some weights moved leaves the trainer refusing further phases until a resume.
         """
+        return self._update(batch, {}, None)[0]
+
+    def _update(
+        self, batch: Batch, sampling: dict[str, float], step_start: float | None
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """:meth:`update`, then the step's bookkeeping; returns (the update's metrics, the history row).
+        ``step_start``: when :meth:`step` began (None: the phases ran by hand, the step's time is theirs)."""
         if batch.advantages is None:
             raise ValueError("the batch has no advantages yet: call trainer.advantages(batch) first")
+        if self._trained is not None and self._trained() is batch:
+            logger.warning("this batch already trained step %d: updating on it again applies its gradients twice "
+                           "(for more passes over one batch, set ppo_epochs)", self.steps_done)
+        self._warn_past_schedule()
+        with self._changing_models("update") as change:
+            metrics = self._update_roles(batch)
+            change.completed = True
+            self.steps_done, self._draws = self.steps_done + 1, 0
+            self._position = self._prompts.state_dict()
+            self.last_batch, self._trained = batch, weakref.ref(batch)
+            seconds = sum(self._phase_times.values()) if step_start is None else time.perf_counter() - step_start
+            row = step_metrics(
+                step=self.steps_done,
+                batch=batch,
+                update_metrics={**metrics, **sampling},
+                phase_times=self._phase_times,
+                worker_times=self._worker_times,
+                memory=self._memory,
+                step_seconds=seconds,
+                gap_limit=self.config.rollout.max_logprob_gap,
+            )
+            self._phase_times, self._worker_times = {}, {}  # the next step's phases start counting
+            self._append_row(row, batch.to_pandas)
+        return metrics, row
+
+    def _update_roles(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
         shards = batch.split(self.cluster.world_size)
         metrics: dict[str, float] = {}
@@ -239,6 +299,10 @@ class Trainer(PolicyTrainerBase):
         norms = [r.metrics["actor/grad_norm"] for r in results]
         return {**metrics, **results[0].metrics, "actor/grad_norm_rank_spread": max(norms) - min(norms)}
 
+    def _steps_begun(self) -> list[int]:
+        critic = [] if self._critic is None else self._critic.call(CriticWorker.steps_begun)
+        return super()._steps_begun() + critic
+
     # -- loops ----------------------------------------------------------------------------------
 
     def step(self, batch: Batch | None = None) -> dict[str, float]:
@@ -247,10 +311,9 @@ class Trainer(PolicyTrainerBase):
         Given ``batch`` (e.g. ``trainer.last_batch`` after a reward function failed), the step goes on
         from that rollout instead of generating a new one.
         """
-        self._warn_past_schedule()
+        self._check_usable()
         cfg = self.config
         start = time.perf_counter()
-        self._phase_times, self._worker_times = {}, {}
         batch = self._scored(self.rollout() if batch is None else batch)
         sampling: dict[str, float] = {}
         if cfg.dynamic_sampling:
@@ -259,21 +322,7 @@ class Trainer(PolicyTrainerBase):
             )
             self.last_batch = batch
         self.advantages(batch)
-        metrics = {**self.update(batch), **sampling}
-        self.steps_done += 1
-        self._position = self._prompts.state_dict()
-        row = step_metrics(
-            step=self.steps_done,
-            batch=batch,
-            update_metrics=metrics,
-            phase_times=self._phase_times,
-            worker_times=self._worker_times,
-            memory=self._memory,
-            step_seconds=time.perf_counter() - start,
-            gap_limit=cfg.rollout.max_logprob_gap,
-        )
-        self._append_row(row, batch.to_pandas)
-        return row
+        return self._update(batch, sampling, start)[1]
 
     def evaluate(self) -> dict[str, float]:
         """Score the validation prompts now (``validation.n`` samples each at ``validation.temperature``; no
@@ -281,6 +330,7 @@ class Trainer(PolicyTrainerBase):
         figures also go into that step's row of :attr:`history` and to the trackers."""
         if self._val is None:
             raise ValueError("no validation prompts: set data.val_files or pass Trainer(val_prompts=...)")
+        self._check_usable()
         start = time.perf_counter()
         seed = self.config.seed * 1_000_003 + 999_983 * (self.steps_done + 1)
         metrics = evaluate_prompts(
@@ -306,7 +356,18 @@ class Trainer(PolicyTrainerBase):
             raise
 
     def _scored_refill(self, refill: int) -> Batch:
-        return self._scored(self._rollout(refill))
+        return self._scored(self.rollout())
+
+    def _draw_seeds(self) -> list[int]:
+        """Each rank's sampling seed of the next rollout; counts the draw, so no two rollouts share seeds."""
+        seeds = self._next_seeds()
+        self._draws += 1
+        return seeds
+
+    def _next_seeds(self) -> list[int]:
+        """Each rank's sampling seed of the next rollout: from the steps done and the draws since the last one."""
+        base = self.config.seed * 1_000_003 + self.steps_done * self.cluster.world_size + self._draws * 7_919_111
+        return [base + r for r in range(self.cluster.world_size)]
 
     def rollouts(self) -> pd.DataFrame:
         """The last step's completions, one row each (empty before the first step)."""
@@ -323,13 +384,25 @@ class Trainer(PolicyTrainerBase):
         re-scores. Per token the engine's and the trainer's log-probs and their ratio, grouped by position, token id,
         rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
         rlkit.diagnostics.mismatch."""
-        seed = self.config.seed * 1_000_003 + self.steps_done * self.cluster.world_size
-        return probe(self, side_rollout(self, seed), max_rows)
+        self._check_usable()
+        return probe(self._policy, self._side_rollout(self._next_seeds()), max_rows, self._decode, self._gap_history())
 
     def certify(self, max_rows: int = 64) -> GapFloor:
         """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
         rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
-        return certify(self, max_rows)
+        self._check_usable()
+        cfg, ranks = self.config, self.cluster.world_size
+        batch = self._side_rollout([cfg.seed * 1_000_003 + CERTIFY_SEED + r for r in range(ranks)])
+        report = probe(self._policy, batch, max_rows, self._decode, self._gap_history())
+        return gap_floor(report, cfg.rollout)
+
+    def _decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _gap_history(self) -> list[float]:
+        """The run's rollout/logprob_gap/mean per step (the stale-weights check's evidence of a jump)."""
+        column = self.history.get("rollout/logprob_gap/mean")
+        return [] if column is None else column.dropna().tolist()
 
     def lint(self) -> diagnostics.Findings:
         """FSDP lint over every rank's actor, optimizer, reference and rollout engine, and the memory estimate's
@@ -352,17 +425,24 @@ class Trainer(PolicyTrainerBase):
 
         Atomic: it appears only when complete. All but the newest ``config.checkpoint.keep_last`` are dropped.
         """
+        self._check_usable()
         partial = checkpoints.partial_dir(Path(path), self.steps_done)
-        self._policy.call(PolicyWorker.save, str(partial), self.config.checkpoint.export_hf)
-        if self._critic is not None:
-            self._critic.call(CriticWorker.save, str(partial))
+        try:
+            self._policy.call(PolicyWorker.save, str(partial), self.config.checkpoint.export_hf)
+            if self._critic is not None:
+                self._critic.call(CriticWorker.save, str(partial))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         meta = {
             "config": self.config.to_dict(),
             "steps_done": self.steps_done,
             "prompts": self._position,
             "history": self._rows,
         }
-        return checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+        self._checkpoint = checkpoints.publish(partial, self.steps_done, meta, self.config.checkpoint.keep_last)
+        self._update_hint()
+        return self._checkpoint
 
     @classmethod
     def resume(
@@ -408,5 +488,7 @@ class Trainer(PolicyTrainerBase):
         trainer._rows = meta["history"]
         trainer._prompts.load_state_dict(meta["prompts"])
         trainer._position = meta["prompts"]
+        trainer._checkpoint = checkpoint
+        trainer._update_hint()
         logger.info("resumed from %s at step %d", checkpoint, trainer.steps_done)
         return trainer

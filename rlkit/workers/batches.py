@@ -7,7 +7,7 @@ across ranks), so the generators here cut each rank's equal share the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -99,29 +99,49 @@ def mini_batches(rows: RowsT, count: int) -> Iterator[RowsT]:
 
 
 def micro_batches(rows: RowsT, size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, RowsT]]:
-    """The micro-batches of ``rows`` (one forward/backward each), with the positions of their rows in ``rows``.
+    """The micro-batches of ``rows`` (one forward/backward each), with the positions of their rows in ``rows``,
+    as :func:`micro_batch_positions` deals them (a collective when ``max_tokens`` > 0)."""
+    lengths = rows.attention_mask.sum(dim=1)
+    device = rows.input_ids.device
+    return [(index, rows.select(index.to(device))) for index in micro_batch_positions(lengths, size, max_tokens)]
+
+
+def in_micro_batches(
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    size: int,
+    max_tokens: int = 0,
+) -> torch.Tensor:
+    """``forward(input_ids, attention_mask)`` of every row ([n, L] in, [n, ...] out, rows in their order), run
+    micro-batch by micro-batch as the update deals them: the scoring passes keep the same memory bound."""
+    lengths = attention_mask.sum(dim=1)
+    positions = micro_batch_positions(lengths, size, max_tokens)
+    parts = [forward(input_ids[i.to(input_ids.device)], attention_mask[i.to(input_ids.device)]) for i in positions]
+    out = torch.cat(parts)
+    return out[torch.argsort(torch.cat(positions)).to(out.device)]
+
+
+def micro_batch_positions(lengths: torch.Tensor, size: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """The positions (CPU index tensors) of the rows in each micro-batch, from each row's real tokens ``lengths`` [n].
 
     ``max_tokens`` = 0: consecutive slices of at most ``size`` rows. Otherwise token-budget micro-batches:
     each holds rows of at most ``max_tokens`` real tokens in all (prompt + response, what a packed forward
-    computes), as few as fit, and EVERY rank makes as many as the rank that needs the most (one all-reduce),
-    since FSDP's collectives pair the ranks' forward passes (ranks hold equally many rows, so none is left
-    with fewer rows than micro-batches). Rows are dealt longest first, each into the lightest micro-batch,
-    so the micro-batches carry about the same tokens.
+    computes), as few as fit, and EVERY rank makes as many as the rank that needs the most (one all-reduce on
+    ``lengths``' device), since FSDP's collectives pair the ranks' forward passes (ranks hold equally many rows,
+    so none is left with fewer rows than micro-batches). Rows are dealt longest first, each into the lightest
+    micro-batch, so the micro-batches carry about the same tokens.
 
     Example:
         real tokens per row [9, 2, 7, 3], max_tokens=10: 21 tokens need at least 3 micro-batches; longest
         first into the lightest gives rows [0] (9 tokens), [2] (7) and [3, 1] (5), all within the budget.
     """
     if max_tokens == 0:
-        return [
-            (torch.arange(s, min(s + size, len(rows))), rows.select(slice(s, s + size)))
-            for s in range(0, len(rows), size)
-        ]
-    lengths = rows.attention_mask.sum(dim=1).tolist()
-    count = torch.tensor(_fewest_bins(lengths, max_tokens), device=rows.input_ids.device)
+        return [torch.arange(s, min(s + size, len(lengths))) for s in range(0, len(lengths), size)]
+    counts = lengths.tolist()
+    count = torch.tensor(_fewest_bins(counts, max_tokens), device=lengths.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    device = rows.input_ids.device
-    return [(torch.tensor(b), rows.select(torch.tensor(b, device=device))) for b in _balanced_bins(lengths, int(count))]
+    return [torch.tensor(b, dtype=torch.long) for b in _balanced_bins(counts, int(count))]
 
 
 def _balanced_bins(lengths: list[int], count: int) -> list[list[int]]:

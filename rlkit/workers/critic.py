@@ -6,6 +6,7 @@ either role can change without the other.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -14,11 +15,12 @@ import torch
 from rlkit import diagnostics
 from rlkit.algos import Mean, loss_weights, value_objective
 from rlkit.config import PPOConfig
-from rlkit.fsdp import build_mesh
+from rlkit.fsdp import build_mesh, param_dtype
+from rlkit.models.lora import apply_lora
 from rlkit.models.packing import can_pack
-from rlkit.models.value import load_value_model, response_values
+from rlkit.models.value import load_value_model, response_values, value_head_name
 from rlkit.runtime import Role, context
-from rlkit.workers.batches import CriticRows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import CriticRows, global_counts, in_micro_batches, micro_batches, mini_batches
 from rlkit.workers.messages import UpdateResult, ValuesResult
 from rlkit.workers.metrics import MetricSums
 from rlkit.workers.phases import PhaseClock
@@ -33,13 +35,16 @@ class CriticWorker(Role):
         self.config = config
         self.rank, self.world_size = ctx.rank, ctx.world_size
         torch.manual_seed(config.seed)  # the new value head must be the same on every rank
+        lora = config.critic.lora if config.critic.lora.enabled else None
         model = load_value_model(
             Path(model_dir),
-            dtype=torch.float32,
+            dtype=torch.float32 if lora is None else param_dtype(config.fsdp, ctx.device.type),  # a frozen base
             device=ctx.device,
             trust_remote_code=config.trust_remote_code,
             attn_implementation=config.attn_implementation,
         )
+        self.lora_binding = None if lora is None else apply_lora(model, lora, head=value_head_name(model))
+        """The modules the backbone's adapters bound to (``critic.lora``; the value head trains whole)."""
         self.padding_free = config.padding_free and can_pack(model)
         mesh = build_mesh(ctx.device.type, ctx.world_size, config.fsdp)
         optimizer_steps = config.steps * config.ppo_epochs * config.mini_batches
@@ -48,16 +53,15 @@ class CriticWorker(Role):
 
     @torch.no_grad()
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ValuesResult:
-        """[n, T] values of this rank's sequences ([n, P + T] in), in micro-batches."""
+        """[n, T] values of this rank's sequences ([n, P + T] in), in the update's micro-batches."""
         self.clock.start()
-        device, micro = self.critic.device, self.config.micro_batch_size
+        cfg, device = self.config, self.critic.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with self.clock.timed("critic_values"):
-            parts = [
-                self._values(input_ids[i : i + micro], attention_mask[i : i + micro])
-                for i in range(0, len(input_ids), micro)
-            ]
-            values = torch.cat(parts) * attention_mask[:, -self.config.rollout.max_new_tokens :]
+            values = in_micro_batches(
+                self._values, input_ids, attention_mask, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+            )
+            values = values * attention_mask[:, -cfg.rollout.max_new_tokens :]
         return ValuesResult(values=values.cpu(), times=dict(self.clock.times), memory_mb=diagnostics.memory_mb(device))
 
     def update(self, rows: CriticRows) -> UpdateResult:
@@ -66,6 +70,7 @@ class CriticWorker(Role):
         self.clock.start()
         rows = rows.to(critic.device)
         sums = MetricSums(critic.device)
+        skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
         with self.clock.timed("critic_update"):
             for _ in range(cfg.ppo_epochs):
                 for mini in mini_batches(rows, cfg.mini_batches):
@@ -85,8 +90,9 @@ class CriticWorker(Role):
                         sums.add(micro_metrics)
                         step_loss += loss.detach()
                     norm = critic.clip_and_step(cfg.critic.optim.max_grad_norm)
+                    skipped += not math.isfinite(norm)
                     sums.add({"critic/loss": Mean(step_loss, 1 / self.world_size), "critic/grad_norm": Mean(norm, 1)})
-        metrics = {**sums.reduce(), "critic/lr": critic.lr}
+        metrics = {**sums.reduce(), "critic/lr": critic.lr, "critic/skipped_steps": float(skipped)}
         return UpdateResult(
             metrics=metrics, times=dict(self.clock.times), memory_mb=diagnostics.memory_mb(critic.device)
         )
@@ -103,6 +109,10 @@ class CriticWorker(Role):
                 response_width=self.config.rollout.max_new_tokens,
                 padding_free=self.padding_free,
             )
+
+    def steps_begun(self) -> int:
+        """The critic's optimizer steps begun so far (the controller compares them around an update that failed)."""
+        return self.critic.steps_begun
 
     def save(self, directory: str) -> None:
         """This rank's shards of the critic and its optimizer, and its schedule."""

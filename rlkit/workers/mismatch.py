@@ -7,25 +7,42 @@ The hypotheses and the sums are :mod:`rlkit.diagnostics.rescore`'s; the verdicts
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from rlkit.config import LoraConfig, RLConfig
 from rlkit.diagnostics.rescore import PROBE_ROWS, Rescored, engine_tensor_sums, rescore_rows, tensor_sums
-from rlkit.fsdp import iter_full_params, param_dtype
+from rlkit.fsdp import param_dtype
 from rlkit.models.logprobs import response_logprobs
 from rlkit.workers.batches import Rows
-
-if TYPE_CHECKING:
-    from rlkit.workers.policy import PolicyWorker
+from rlkit.workers.lora import engine_weights
+from rlkit.workers.training import TrainedModel
 
 LOGIT_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "no_repeat_ngram_size")  # fmt: skip
 """Sampling settings that change the distribution sampled from (and so the engine's log-probs)."""
 
 
+class Probed(Protocol):
+    """What the probe reads of a rank's policy role (:class:`~rlkit.workers.policy.PolicyWorker`)."""
+
+    @property
+    def config(self) -> RLConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def actor(self) -> TrainedModel: ...
+    @property
+    def engine(self) -> object: ...
+    @property
+    def engine_synced_at(self) -> int: ...
+    @property
+    def lora(self) -> LoraConfig | None: ...
+
+
 @torch.no_grad()
-def probe_mismatch(worker: PolicyWorker, rows: Rows) -> Rescored:
+def probe_mismatch(worker: Probed, rows: Rows) -> Rescored:
     """``rows`` (this rank's, as many on every rank: the forwards are FSDP collectives) re-scored by the actor under
     every hypothesis, by the engine's own weights in fp32 where rlkit holds them, and the weights' sums."""
     cfg, model = worker.config, worker.actor.model
@@ -86,11 +103,12 @@ def _scores(model: torch.nn.Module, rows: Rows, width: int, temperature: float) 
     return torch.cat(parts).float().cpu()
 
 
-def _add_sums(worker: PolicyWorker, result: Rescored, engine_dtype: torch.dtype) -> None:
-    """The trainer's and the engine's per-tensor sums (gathering the full weights is a collective)."""
+def _add_sums(worker: Probed, result: Rescored, engine_dtype: torch.dtype) -> None:
+    """The trainer's and the engine's per-tensor sums (gathering the full weights is a collective), of the tensors a
+    sync sends (LoRA: merged, or the adapters)."""
     trainer: dict[str, tuple[float, float]] = {}
     shapes: dict[str, list[int]] = {}
-    for name, tensor in iter_full_params(worker.actor.model):
+    for name, tensor in engine_weights(worker.actor.model, worker.lora, worker.config.rollout.lora_sync):
         shapes[name] = list(tensor.shape)
         trainer.update(tensor_sums([(name, tensor)], engine_dtype))
     engine, result.unreadable = engine_tensor_sums(worker.engine, shapes)
@@ -100,14 +118,14 @@ def _add_sums(worker: PolicyWorker, result: Rescored, engine_dtype: torch.dtype)
         result.checksums.append((name, t_sum, t_sq, e_sum, e_sq))
 
 
-def _engine_dtype(worker: PolicyWorker) -> torch.dtype:
+def _engine_dtype(worker: Probed) -> torch.dtype:
     model = getattr(worker.engine, "model", None)
     if isinstance(model, torch.nn.Module):
         return next(model.parameters()).dtype
     return getattr(worker.engine, "dtype", torch.float32)
 
 
-def _trainer_dtype(worker: PolicyWorker) -> torch.dtype:
+def _trainer_dtype(worker: Probed) -> torch.dtype:
     return param_dtype(worker.config.fsdp, worker.device.type)
 
 

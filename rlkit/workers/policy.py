@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import psutil
@@ -29,7 +30,7 @@ from rlkit.config import RLConfig
 from rlkit.data.agents import Agent
 from rlkit.data.chat import ChatRenderer
 from rlkit.diagnostics.rescore import Rescored
-from rlkit.fsdp import iter_full_params, param_dtype
+from rlkit.fsdp import param_dtype
 from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
@@ -37,7 +38,8 @@ from rlkit.rollout import SamplingParams, build_engine
 from rlkit.rollout.base import Generation
 from rlkit.rollout.episodes import EpisodeInput, Episodes, run_episodes
 from rlkit.workers.actor import ActorRole
-from rlkit.workers.batches import PolicyRows, Rows, global_counts, micro_batches, mini_batches
+from rlkit.workers.batches import PolicyRows, Rows, global_counts, in_micro_batches, micro_batches, mini_batches
+from rlkit.workers.lora import engine_weights
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
 from rlkit.workers.mismatch import probe_mismatch
@@ -65,6 +67,7 @@ class PolicyWorker(ActorRole):
             reference=config.kl_coef > 0,
             trust_remote_code=config.trust_remote_code,
             attn_implementation=config.attn_implementation,
+            lora=config.lora,
         )
         self.config = config
         tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
@@ -81,6 +84,7 @@ class PolicyWorker(ActorRole):
             max_prompt_tokens=config.data.max_prompt_tokens,
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
+            adapters=self.lora if config.rollout.lora_sync == "adapter" else None,
         )
         self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
         self.engine_synced_at = 0
@@ -142,9 +146,11 @@ class PolicyWorker(ActorRole):
             with self.clock.timed("logprobs"):
                 old_logprobs = self._scored_logprobs(self.actor.model, input_ids, attention_mask)
             self.memory.mark("actor_logprobs")
-        if self.reference is not None:
-            with self.clock.timed("reference"):
-                ref_logprobs = self._scored_logprobs(self.reference, input_ids, attention_mask)
+        with self.reference_model() as reference:
+            if reference is not None:
+                with self.clock.timed("reference"):
+                    ref_logprobs = self._scored_logprobs(reference, input_ids, attention_mask)
+        if ref_logprobs is not None:
             self.memory.mark("reference")
         return RolloutResult(
             response_ids=gen.response_ids.cpu(),
@@ -206,6 +212,7 @@ class PolicyWorker(ActorRole):
         sums = MetricSums(self.device)
         # one optimizer step per batch and no old log-probs from the rollout: the first forward is the old policy
         scored = torch.zeros_like(rows.response_mask) if rows.old_logprobs is None else None
+        skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
         with self.clock.timed("update"):
             for _ in range(cfg.ppo_epochs):
                 for mini in mini_batches(rows, cfg.mini_batches):
@@ -240,22 +247,24 @@ class PolicyWorker(ActorRole):
                     self.memory.mark("forward_backward")
                     report = diagnostics.grad_report(actor.model)
                     norm = actor.clip_and_step(cfg.optim.max_grad_norm)
+                    skipped += not math.isfinite(norm)
                     self.memory.mark("optimizer_step")
                     # this rank's part of the step's loss; the norm is the same on every rank
                     sums.add({"actor/loss": Mean(step_loss, 1 / self.world_size), "actor/grad_norm": Mean(norm, 1)})
         # 6. the new weights into the rollout engine
         self.sync_engine()
         self.memory.mark("weight_sync")
-        metrics = {**sums.reduce(), "actor/lr": actor.lr}
+        metrics = {**sums.reduce(), "actor/lr": actor.lr, "actor/skipped_steps": float(skipped)}
         self.grads = dataclasses.replace(report, global_norm=float(norm), loss=metrics["actor/loss"])
         old = None if scored is None else scored.cpu()
         report_memory = self.memory.memory_mb()
         return UpdateResult(metrics=metrics, old_logprobs=old, times=dict(self.clock.times), memory_mb=report_memory)
 
     def sync_engine(self) -> int:
-        """Push the actor's full weights into the rollout engine; returns how many tensors were loaded."""
+        """Push the actor's full weights (LoRA: merged, or the adapters alone, as ``rollout.lora_sync`` says) into the
+        rollout engine; returns how many tensors were loaded."""
         with self.clock.timed("sync"):
-            count = self.engine.load_weights(iter_full_params(self.actor.model))
+            count = self.engine.load_weights(engine_weights(self.actor.model, self.lora, self.config.rollout.lora_sync))
         self.engine_synced_at = int(self.actor.scheduler.last_epoch)
         return count
 
@@ -286,21 +295,18 @@ class PolicyWorker(ActorRole):
     def _scored_logprobs(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
-        """[B, T] response log-probs under ``model`` in micro-batches of ``micro_batch_size`` rows, no grad."""
+        """[B, T] response log-probs under ``model``, no grad, in the update's micro-batches (``micro_batch_size``
+        rows, or ``max_tokens_per_micro_batch`` real tokens)."""
         cfg = self.config
-        micro = cfg.micro_batch_size
-        parts = [
-            response_logprobs(
-                model,
-                input_ids[i : i + micro],
-                attention_mask[i : i + micro],
-                response_width=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                padding_free=cfg.padding_free and can_pack(model),
-            )[0]
-            for i in range(0, input_ids.shape[0], micro)
-        ]
-        return torch.cat(parts)
+        padding_free = cfg.padding_free and can_pack(model)
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            width, temperature = cfg.rollout.max_new_tokens, cfg.rollout.temperature
+            return response_logprobs(model, ids, mask, response_width=width, temperature=temperature,
+                                     padding_free=padding_free)[0]  # fmt: skip
+
+        size, max_tokens = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+        return in_micro_batches(forward, input_ids, attention_mask, size, max_tokens)
 
     # -- diagnostics and checkpoints (the rest is ActorRole's) -----------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -89,7 +90,7 @@ class PreferenceWorker(ActorRole):
         sums.add({"actor/loss": Mean(step_loss, 1 / self.world_size), "actor/grad_norm": Mean(norm, 1)})
         if z_ref is not None:
             sums.add({"kto/z_ref": Mean(z_ref, 1)})
-        metrics = {**sums.reduce(), "actor/lr": actor.lr}
+        metrics = {**sums.reduce(), "actor/lr": actor.lr, "actor/skipped_steps": float(not math.isfinite(norm))}
         if z_ref is not None:  # a difference of two means over different examples, so made from the reduced ones
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         self.grads = dataclasses.replace(report, global_norm=float(norm), loss=metrics["actor/loss"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -11,19 +12,28 @@ from rlkit.fsdp import apply_fsdp, build_mesh
 from rlkit.models import load_tokenizer
 from rlkit.models.value import load_reward_model, sequence_scores
 from rlkit.runtime import Role, context
+from rlkit.workers.batches import in_micro_batches
 
 
 class RewardModelWorker(Role):
     """This rank's FSDP shard of a frozen sequence-classification model and its tokenizer.
 
-    Every rank scores the same number of micro-batches, as FSDP's collectives require.
+    Texts are scored in the update's micro-batches (``micro_batch_size`` texts, or ``max_tokens_per_micro_batch``
+    real tokens), every rank the same number of them, as FSDP's collectives require.
     """
 
     def __init__(
-        self, path: str | Path, *, micro_batch_size: int, max_length: int, fsdp: FSDPConfig, trust_remote_code: bool
+        self,
+        path: str | Path,
+        *,
+        micro_batch_size: int,
+        max_tokens_per_micro_batch: int = 0,
+        max_length: int,
+        fsdp: FSDPConfig,
+        trust_remote_code: bool,
     ):
         ctx = context()
-        self.micro = micro_batch_size
+        self.micro, self.max_tokens = micro_batch_size, max_tokens_per_micro_batch
         self.max_length = max_length
         self.device = ctx.device
         self.tokenizer = load_tokenizer(Path(path), trust_remote_code=trust_remote_code)
@@ -38,9 +48,8 @@ class RewardModelWorker(Role):
     @torch.no_grad()
     def score(self, texts: list[str]) -> torch.Tensor:
         """[n] float32 scores; texts are left-padded and cut to their last ``max_length`` tokens."""
-        out = []
-        for i in range(0, len(texts), self.micro):
-            enc = self.tokenizer(texts[i : i + self.micro], padding=True, return_tensors="pt")
-            ids, mask = enc["input_ids"][:, -self.max_length :], enc["attention_mask"][:, -self.max_length :]
-            out.append(sequence_scores(self.model, ids.to(self.device), mask.to(self.device)).cpu())
-        return torch.cat(out)
+        enc = self.tokenizer(texts, padding=True, return_tensors="pt")
+        ids, mask = enc["input_ids"][:, -self.max_length :], enc["attention_mask"][:, -self.max_length :]
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        scores = in_micro_batches(partial(sequence_scores, self.model), ids, mask, self.micro, self.max_tokens)
+        return scores.cpu()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ class TrainedModel:
     keep_unsharded: bool = False
     """Keep FSDP's units gathered and the gradients unsharded through an optimizer step's micro-batches
     (:func:`accumulation`); the role sets it where the memory estimate says it fits."""
+    steps_begun: int = 0
+    """Optimizer steps begun on these weights (one stopped inside AdamW's loop counts): they moved when it grows."""
 
     @classmethod
     def build(
@@ -39,7 +42,8 @@ class TrainedModel:
     ) -> TrainedModel:
         """Shard ``model`` with FSDP, then build AdamW over the sharded parameters and a schedule of ``total_steps``."""
         wrapped = apply_fsdp(model, mesh, fsdp)
-        optimizer, scheduler = build_optimizer(wrapped.parameters(), optim, total_steps)
+        trained = [p for p in wrapped.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer, scheduler = build_optimizer(trained, optim, total_steps)
         return cls(wrapped, optimizer, scheduler, reshard_after_forward=fsdp.reshard_after_forward)
 
     @property
@@ -59,9 +63,13 @@ class TrainedModel:
     def clip_and_step(self, max_grad_norm: float) -> float:
         """Clip the gradients by their true global norm over all ranks, then the optimizer and schedule step.
 
+        A non-finite norm (an inf or NaN anywhere, on any rank) skips the optimizer step on every rank alike (the
+        norm is the same on all): the weights and AdamW's moments stay as they were; the schedule still moves.
         Returns the norm before clipping (the same on every rank)."""
         norm = clip_grad_norm(self.model, max_grad_norm)
-        self.optimizer.step()
+        if math.isfinite(norm):
+            self.steps_begun += 1
+            self.optimizer.step()
         self.scheduler.step()
         return norm
 
