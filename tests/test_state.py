@@ -30,12 +30,6 @@ SMALL = dict(
 """16 samples a step, 8 a rank: two mini-batches of one micro-batch each (two optimizer steps an update)."""
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def plant(**env: str) -> None:
     """On a worker: the fault ``planted_loss`` plays (STATE_FAULT, STATE_AT, STATE_DIR), its call count reset."""
     os.environ.update({"STATE_FAULT": "", "STATE_AT": "0", "STATE_CALLS": "0", **env})

@@ -32,15 +32,24 @@ def backend(request):
         yield request.param
 
 
+@pytest.fixture
+def cluster(backend, request):
+    """The backend's 2-rank CPU cluster: the session's (tests/conftest.py) for local, a fresh one for Ray."""
+    if backend == "local":
+        yield request.getfixturevalue("cpu_cluster")
+    else:
+        with rlkit.launch(world_size=2, backend=backend, device="cpu") as ray_cluster:
+            yield ray_cluster
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=RAY)], indirect=True)
-def test_short_fit_updates_every_rank_and_ranks_agree(backend, histories):
-    with rlkit.launch(world_size=2, backend=backend, device="cpu") as cluster:
-        trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**TINY, optim=rlkit.OptimConfig(lr=1e-3)))
-        before = cluster.run(full_weights, "actor")
-        history = trainer.fit(steps=2, progress=False)
-        after = cluster.run(full_weights, "actor")
-        engines = cluster.run(full_weights, "engine")
+def test_short_fit_updates_every_rank_and_ranks_agree(backend, cluster, histories):
+    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**TINY, optim=rlkit.OptimConfig(lr=1e-3)))
+    before = cluster.run(full_weights, "actor")
+    history = trainer.fit(steps=2, progress=False)
+    after = cluster.run(full_weights, "actor")
+    engines = cluster.run(full_weights, "engine")
     assert len(history) == 2 and history["actor/grad_norm"].max() > 0  # weight_decay is 0: only gradients move weights
     for name in before[0]:
         for rank in range(2):

@@ -38,12 +38,6 @@ def grpo_config(engine: str = "vllm") -> rlkit.GRPOConfig:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def trainer(cluster):
     return rlkit.Trainer(cluster, grpo_config())
 
