@@ -163,7 +163,7 @@ def test_update_then_sync_moves_vllm_to_the_trainer(cluster, trainer):
     )
     assert moved, "vLLM's outputs did not change after an update and sync"
     fresh = trainer.rollout()
-    gap = ((fresh.logprobs - fresh.rollout_logprobs).abs() * fresh.response_mask).max().item()
+    gap = ((fresh.old_logprobs - fresh.rollout_logprobs).abs() * fresh.response_mask).max().item()
     assert gap < SAMPLED_GAP, f"rollout after the sync: trainer and vLLM log-probs differ by {gap}"
 
 
