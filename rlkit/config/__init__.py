@@ -21,6 +21,7 @@ from rlkit.config.data import (
     RewardSpec,
     ValidationConfig,
 )
+from rlkit.config.lora import LoraConfig
 from rlkit.config.outputs import default_output_dir, to_toml
 from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
 from rlkit.config.readers import config_from_dict, config_from_toml
@@ -49,6 +50,7 @@ __all__ = [
     "FSDPConfig",
     "GRPOConfig",
     "KTOConfig",
+    "LoraConfig",
     "OptimConfig",
     "PPOConfig",
     "PreferenceConfig",

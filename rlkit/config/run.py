@@ -17,6 +17,7 @@ from rlkit.config.checks import ConfigError, need
 from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
+from rlkit.config.lora import LoraConfig
 from rlkit.config.sections import (
     ATTN_IMPLEMENTATIONS,
     CheckpointConfig,
@@ -150,6 +151,8 @@ class RLConfig:
     """The actor's optimizer settings."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding settings (actor, reference, critic and reward model)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the policy instead of full fine-tuning (``[lora]``; off while ``lora.rank`` is 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint settings."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
@@ -239,7 +242,7 @@ class RLConfig:
         )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
-        nested += self._correction_problems()
+        nested += self._correction_problems() + self.lora.problems()
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _recompute_problems(self) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlkit.config.checks import need
+from rlkit.config.lora import LoraConfig
 
 
 @dataclass(kw_only=True)
@@ -88,6 +89,11 @@ class RolloutConfig:
     beside the actor. Each group of this many consecutive ranks, on one node, shares one engine owned by its first
     rank; the others send it their prompts and get their completions back. Must divide the world size; the model's
     attention heads must split into that many shards. 1: an engine on every rank."""
+    lora_sync: str = "merged"
+    """With ``[lora]``, how the adapters reach the engine after each update: "merged" (W + alpha/r * B @ A computed in
+    fp32 from the gathered tensors and streamed in as base weights: the engine runs at full speed) or "adapter" (only
+    the adapter tensors travel: the hf engine runs the adapted model, vLLM loads them in place as its LoRA adapter;
+    a small sync, slower generation). bench/lora_sync.py measures both."""
     sleep: str = "auto"
     """vllm on GPU: whether the engine releases its memory (sleep mode) while the actor trains. "always": every
     step; "never": stays resident (the actor must fit beside gpu_memory_utilization of the device); "auto": sleeps
@@ -121,6 +127,7 @@ class RolloutConfig:
             0 <= self.engine_logprobs <= 1,
             f"{prefix}.engine_logprobs={self.engine_logprobs}: must be in [0, 1] (fraction of prompts; 1 = all)",
         )
+        need(p, self.lora_sync in LORA_SYNCS, f'{prefix}.lora_sync="{self.lora_sync}": use one of {LORA_SYNCS}')
         need(p, self.sleep in SLEEP_MODES, f'{prefix}.sleep="{self.sleep}": use one of {SLEEP_MODES}')
         tp = self.tensor_parallel_size
         need(p, tp >= 1, f"{prefix}.tensor_parallel_size={tp}: must be >= 1 (1 = an engine on every rank)")
@@ -172,6 +179,7 @@ class RolloutConfig:
 
 ENGINES = ("hf", "vllm")
 SLEEP_MODES = ("auto", "always", "never")
+LORA_SYNCS = ("merged", "adapter")
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flex_attention")
 """Values of RLConfig.attn_implementation (see rlkit.models.attention for what each does with packed rows)."""
@@ -310,13 +318,15 @@ class CriticConfig:
     """A value may move this far from its rollout-time estimate before its loss stops pulling (0 = no clipping)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's own AdamW and schedule (critics usually take a larger lr than the actor)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the critic's backbone (``[critic.lora]``; off while rank is 0); the value head trains whole."""
 
     def problems(self, prefix: str = "critic") -> list[str]:
         p: list[str] = []
         if self.model not in ("", "tiny") and not Path(self.model).is_dir():
             p.append(f'{prefix}.model="{self.model}": not a local directory; use "" for the policy\'s model')
         need(p, self.value_clip >= 0, f"{prefix}.value_clip={self.value_clip}: must be >= 0 (0 = no clipping)")
-        return p + self.optim.problems(f"{prefix}.optim")
+        return p + self.optim.problems(f"{prefix}.optim") + self.lora.problems(f"{prefix}.lora")
 
 
 @dataclass(kw_only=True)

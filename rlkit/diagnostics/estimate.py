@@ -43,6 +43,7 @@ from rlkit.diagnostics.memory_terms import (
     shared_weights_bytes,
     state_bytes,
     sync_bytes,
+    trained_params,
 )
 from rlkit.rollout.sleep import AWAKE_HEADROOM
 
@@ -171,7 +172,7 @@ def phase_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, dict[str, int]
     phases["backward"] = {
         **state, "engine": engine, "gathered": backward, "activations": activation_bytes(shape, s, e, phase="backward"),
     }
-    step = 0 if s.cpu_offload else 4 * shape.num_parameters // s.shard_size
+    step = 0 if s.cpu_offload else 4 * trained_params(shape, s) // s.shard_size
     phases["optimizer_step"] = {**state, "engine": engine, "gathered": shared, "optimizer": state["optimizer"] + step}
     phases["weight_sync"] = {**state, **sync_bytes(shape, s)}
     return phases

@@ -53,11 +53,11 @@ def grad_report(model: nn.Module, *, loss: float | torch.Tensor | None = None,
                 global_norm: float | torch.Tensor | None = None) -> GradReport:
     """This rank's local gradient norms and replica fingerprints of ``model`` (FSDP1, FSDP2 or plain)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    layout = discover(model)
-    grads = [p.grad() for p in layout.params]
+    params = [p for p in discover(model).params if p.requires_grad]  # LoRA: the adapters, not the frozen base
+    grads = [p.grad() for p in params]
     sums = _sumsq([g for g in grads if g is not None])
     entries, checksums = [], {}
-    for p, g in zip(layout.params, grads, strict=True):
+    for p, g in zip(params, grads, strict=True):
         sumsq = 0.0 if g is None else sums.pop(0)
         entries.append(GradEntry(name=p.name, unit=p.unit, shards=p.shards, shard_index=p.shard_index, sumsq=sumsq))
         if p.shards < world:

@@ -93,6 +93,8 @@ class MemoryMark:
     engine_mb: float
     other_mb: float
     """Allocated (CUDA) or RSS (CPU) minus the four above: activations, caches, buffers, the interpreter."""
+    trained_mb: float = 0.0
+    """The part of parameters_mb that trains (with LoRA the adapters; the rest is the frozen base)."""
 
 
 class MemoryTracker:
@@ -174,6 +176,7 @@ class MemoryTracker:
             optimizer_mb=optimizer / MiB,
             engine_mb=engine / MiB,
             other_mb=total - accounted,
+            trained_mb=storage_bytes([p for p in params if p.requires_grad], self.device) / MiB,
         )
 
     def _reset_peak(self) -> None:

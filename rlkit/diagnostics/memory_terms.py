@@ -8,7 +8,7 @@ Margins that cannot be derived are named constants here, to be calibrated agains
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -103,6 +103,15 @@ class ModelShape:
     def num_parameters(self) -> int:
         return self.num_layers * self.layer_params + self.root_params
 
+    def lora_params(self, rank: int, targets: Sequence[str] | str = "all-linear") -> int:
+        """Adapter parameters of rank ``rank`` on ``targets`` ("all-linear" or module names) in every layer:
+        rank * (in + out) per adapted projection."""
+        h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
+        sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+                 "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}  # fmt: skip
+        chosen = sizes if targets == "all-linear" else {k: v for k, v in sizes.items() if k in targets}
+        return rank * sum(chosen.values()) * self.num_layers
+
     @property
     def value_model_params(self) -> int:
         """The critic: the backbone without the LM head plus a linear value head (h weights + 1 bias)."""
@@ -164,6 +173,17 @@ class MemorySetting:
     engine_sleep: str = "auto"
     """[rollout.sleep] "always"/"auto": vLLM sleeps through scoring and the update ("auto" stays awake only when
     it fits beside the update); "never": it stays awake."""
+    lora_rank: int = 0
+    """[lora.rank] LoRA on the policy: a frozen base in the compute dtype, fp32 adapters with their gradients and
+    AdamW state, the reference = the base (no copy); 0: full fine-tuning."""
+    lora_targets: Sequence[str] | str = "all-linear"
+    """[lora.target_modules]"""
+    lora_sync: str = "merged"
+    """[rollout.lora_sync] "merged" (full weights into vLLM's shared buffers) or "adapter" (the adapters alone)."""
+
+    def lora_params(self, shape: ModelShape) -> int:
+        """The adapters' parameters (0 without LoRA)."""
+        return shape.lora_params(self.lora_rank, self.lora_targets) if self.lora_rank else 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -324,7 +344,7 @@ def gathered_bytes(shape: ModelShape, s: MemorySetting, e: int, *, backward: boo
     layers = 2 if s.reshard_after_forward else max(2, shape.num_layers)
     r, total = DTYPE_BYTES[s.reduce_dtype], (shape.root_params + layers * shape.layer_params) * e
     if s.keep_unsharded and s.fsdp_version == 2:  # all units gathered, every gradient accumulated unsharded
-        total = shape.num_parameters * (e + r)
+        total = shape.num_parameters * e + trained_params(shape, s) * r  # LoRA: the adapters' gradients alone
         return total + ((shape.root_params + shape.layer_params) * e if backward else 0)
     if s.keep_unsharded:  # FSDP1's no_sync: unsharded gradients in the compute dtype (which is then the reduce one)
         total += shape.num_parameters * e
@@ -340,9 +360,19 @@ def state_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
         return {"parameters": 0, "gradients": 0, "optimizer": 0}
     n, actor = s.shard_size, shape.num_parameters
     critic = shape.value_model_params if s.critic else 0
+    if s.lora_rank:  # the base frozen in the compute dtype and the reference is that base: only adapters train
+        adapters = s.lora_params(shape)
+        frozen = actor * DTYPE_BYTES[s.compute_dtype]
+        return {"parameters": (frozen + 4 * (adapters + critic)) // n, "gradients": 4 * (adapters + critic) // n,
+                "optimizer": 8 * (adapters + critic) // n}
     params = actor * (2 if s.reference else 1) + critic
     trained = actor + critic
     return {"parameters": 4 * params // n, "gradients": 4 * trained // n, "optimizer": 8 * trained // n}
+
+
+def trained_params(shape: ModelShape, s: MemorySetting) -> int:
+    """The parameters the optimizer steps (the actor's, or its adapters with LoRA)."""
+    return s.lora_params(shape) or shape.num_parameters
 
 
 def host_bytes(shape: ModelShape, s: MemorySetting) -> int:
@@ -382,7 +412,9 @@ def generate_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
 def shared_weights_bytes(shape: ModelShape, s: MemorySetting, *, awake: bool) -> int:
     """vLLM's weight-sync buffers in the trainer's process (rlkit.rollout.vllm_weights.SharedWeights): one
     compute-dtype copy of the model, kept from a sync until the engine next sleeps."""
-    return shape.num_parameters * DTYPE_BYTES[s.compute_dtype] if s.engine == "vllm" and awake else 0
+    adapters_only = s.lora_rank > 0 and s.lora_sync == "adapter"  # they travel as files: no buffers
+    kept = s.engine == "vllm" and awake and not adapters_only
+    return shape.num_parameters * DTYPE_BYTES[s.compute_dtype] if kept else 0
 
 
 def sync_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
@@ -393,4 +425,6 @@ def sync_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
     if s.engine == "hf":
         return {"gathered": largest, "engine": engine_bytes(shape, s, awake=True)}
     weights = shape.num_parameters * e
+    if s.lora_rank and s.lora_sync == "adapter":  # the adapters gathered whole, written for the engine
+        return {"gathered": 4 * s.lora_params(shape), "engine": weights + int(VLLM_ASLEEP_GIB * GiB)}
     return {"gathered": largest + weights, "engine": weights + int(VLLM_ASLEEP_GIB * GiB)}

@@ -65,6 +65,9 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         kv_cache_gib=rollout.kv_cache_gb,
         engine_sleep=rollout.sleep,
+        lora_rank=config.lora.rank,
+        lora_targets=config.lora.target_modules,
+        lora_sync=rollout.lora_sync,
     )
 
 

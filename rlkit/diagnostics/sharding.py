@@ -22,7 +22,8 @@ class Sharding:
     units: pd.DataFrame
     """One row per FSDP unit: its settings, then ``rank{r}_mb``, the storage each rank holds for it."""
     totals: pd.DataFrame
-    """One row per rank and role (the model, then each of ``others``): tensors, MiB, dtypes, devices."""
+    """One row per rank and role (the model, then each of ``others``): tensors, MiB (``trained_mb``: the model's
+    parameters that train, with LoRA its adapters; the rest is frozen), dtypes, devices."""
     unwrapped: list[str]
     """Parameters no FSDP unit manages: every rank holds them whole."""
     scaling: pd.DataFrame
@@ -60,6 +61,7 @@ def _totals(reports: Sequence[RankReport]) -> pd.DataFrame:
                 "role": h.role,
                 "tensors": h.tensors,
                 "parameters_mb": h.bytes / MiB,
+                "trained_mb": sum(p.local_bytes for p in r.params if p.requires_grad) / MiB if model else 0.0,
                 "gradients_mb": state["gradients"] / MiB if model else 0.0,
                 "optimizer_mb": state["optimizer"] / MiB if model else 0.0,
                 "dtypes": ",".join(h.dtypes),

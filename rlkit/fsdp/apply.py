@@ -84,7 +84,7 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     )
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import CustomPolicy
 
     compute = param_dtype(config, mesh.device_type)
     strategy = {
@@ -97,9 +97,16 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
     device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
     layer_types = tuple({type(layer) for layer in decoder_layers(model)})
+    # LoRA: a flat parameter holds one dtype and takes gradients for all or none, so the trained leaves (adapters,
+    # modules_to_save) get units of their own beside the frozen base's
+    frozen = any(not p.requires_grad for p in model.parameters())
+
+    def own_unit(module: torch.nn.Module) -> bool:
+        return isinstance(module, layer_types) or (frozen and _trained_leaf(module))
+
     wrapped = FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy(set(layer_types)),
+        auto_wrap_policy=CustomPolicy(own_unit),
         sharding_strategy=strategy,
         mixed_precision=MixedPrecision(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
         backward_prefetch=prefetch[config.backward_prefetch],
@@ -119,3 +126,9 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
             check_fn=lambda module: isinstance(module, layer_types),
         )
     return wrapped
+
+
+def _trained_leaf(module: torch.nn.Module) -> bool:
+    """A module without children whose parameters all train (a LoRA matrix, a modules_to_save copy's layer)."""
+    params = list(module.parameters(recurse=False))
+    return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)

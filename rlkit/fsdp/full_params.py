@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -24,8 +24,11 @@ def clean_name(name: str) -> str:
     return name.strip(".").replace("..", ".")
 
 
-def iter_full_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) for each parameter; a collective: every rank consumes it all, in order.
+def iter_full_params(
+    model: torch.nn.Module, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) for each parameter (``keep``: those whose name it accepts, e.g. LoRA adapters');
+    a collective: every rank consumes it all, in order.
 
     FSDP2 gathers one parameter at a time (peak extra memory: the largest
     parameter). FSDP1 gathers the whole model once (it has no per-parameter
@@ -34,9 +37,12 @@ def iter_full_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model, writeback=False):
             for name, param in model.named_parameters():
-                # summon_full_params frees these views on exit: copy so the tensor outlives the loop
-                yield clean_name(name), param.detach().clone()
+                if keep is None or keep(clean_name(name)):
+                    # summon_full_params frees these views on exit: copy so the tensor outlives the loop
+                    yield clean_name(name), param.detach().clone()
         return
     for name, param in model.named_parameters():
+        if keep is not None and not keep(name):
+            continue
         full = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, full.detach()

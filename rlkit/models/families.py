@@ -22,7 +22,7 @@ import torch
 from rlkit.models.tiny import BUNDLED_MODELS
 
 if TYPE_CHECKING:
-    from rlkit.config import PreferenceConfig, RLConfig
+    from rlkit.config import LoraConfig, PreferenceConfig, RLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,19 @@ def model_family_problems(config: RLConfig | PreferenceConfig, device: str) -> l
         device=device,
         trust_remote_code=config.trust_remote_code,
         tensor_parallel_size=rollout.tensor_parallel_size if rollout is not None else 1,
+        lora=getattr(config, "lora", None),
     )
+
+
+def _lora_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """Why ``lora.target_modules`` cannot bind to the (meta-device) ``model``: matches nothing or only some layers."""
+    from rlkit.models.lora import bind
+
+    try:
+        bind(model, lora)
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -70,8 +82,10 @@ def check_model_family(
     device: str = "cpu",
     trust_remote_code: bool = False,
     tensor_parallel_size: int = 1,
+    lora: LoraConfig | None = None,
 ) -> list[str]:
-    """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``.
+    """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``
+    (with ``lora`` on: its target modules must bind to every decoder layer, :func:`rlkit.models.lora.bind`).
 
     Args:
         model_dir: a local Hugging Face model directory.
@@ -90,6 +104,8 @@ def check_model_family(
     # with the attention reported, check the rest as transformers' default (sdpa or eager) would build it
     model, problem = _meta_model(config, trust_remote_code, "eager" if problems else None, where)
     problems += [problem] if model is None else _decoder_layer_problems(model, where)
+    if model is not None and lora is not None and lora.enabled:
+        problems += _lora_problems(model, lora)
     if engine == "vllm" and importlib.util.find_spec("vllm") is not None:  # rollout.engine reports it missing
         problems += _vllm_problems(config, device, where)
     return problems

@@ -42,6 +42,14 @@ def load_value_model(
     return without_dropout(model).to(device)
 
 
+def value_head_name(model: torch.nn.Module) -> str:
+    """The name of a token-classification model's head: its one top-level linear layer ("score" for Qwen2/Llama)."""
+    heads = [name for name, module in model.named_children() if isinstance(module, torch.nn.Linear)]
+    if len(heads) != 1:
+        raise ValueError(f"{type(model).__name__} has {len(heads)} top-level linear layers {heads}, not one value head")
+    return heads[0]
+
+
 def response_values(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

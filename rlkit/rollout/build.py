@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from rlkit.config import RolloutConfig
+from rlkit.config import LoraConfig, RolloutConfig
 from rlkit.models import load_causal_lm
+from rlkit.models.lora import apply_lora
 from rlkit.rollout.base import RolloutEngine
 from rlkit.rollout.hf import HFEngine
 
@@ -25,12 +26,15 @@ def build_engine(
     max_prompt_tokens: int,
     seed: int,
     trust_remote_code: bool = False,
+    adapters: LoraConfig | None = None,
 ) -> RolloutEngine:
     """An "hf" or "vllm" engine holding the weights in ``model_dir`` on ``device`` in ``dtype``; with
     ``config.tensor_parallel_size`` > 1 (a collective: every rank calls it), a vLLM engine per group of ranks.
 
     ``max_num_seqs`` is the most completions one generate call of a rank asks for (vLLM batches up to it);
     ``max_prompt_tokens`` the longest prompt (``data.max_prompt_tokens``: vLLM sizes its context for it).
+    ``adapters``: the engine runs the model with these LoRA adapters and takes only their tensors in a sync (the hf
+    engine's copy gets them injected; vLLM serves them as its LoRA adapter).
     """
     if config.engine == "vllm":
         from rlkit.rollout.tp_group import TPGroupEngine
@@ -55,10 +59,13 @@ def build_engine(
                 trust_remote_code=trust_remote_code,
                 tensor_parallel_size=tp,
                 gpus=gpus,
+                adapters=adapters,
             )
 
         return make_vllm([]) if tp == 1 else TPGroupEngine.build(tp, device, make_vllm)
     model = load_causal_lm(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    if adapters is not None:
+        apply_lora(model, adapters)
     return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 

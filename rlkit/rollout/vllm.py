@@ -29,6 +29,8 @@ from typing import Any
 import psutil
 import torch
 
+from rlkit.config import LoraConfig
+from rlkit.models.lora import save_adapter
 from rlkit.rollout.base import Generation, SamplingParams, logprob_prompts
 from rlkit.rollout.reaper import Reaper
 from rlkit.rollout.sleep import SleepPolicy
@@ -81,13 +83,14 @@ class VLLMEngine:
         trust_remote_code: bool = False,
         tensor_parallel_size: int = 1,
         gpus: Sequence[str] = (),
+        adapters: LoraConfig | None = None,
     ):
         """``tensor_parallel_size`` > 1: the engine spans that many devices; on GPU ``gpus`` names them (entries of
         CUDA_VISIBLE_DEVICES, this rank's first); its workers then each hold a shard of every layer. Other
         arguments: see :func:`rlkit.rollout.build_engine`."""
         from vllm import LLM
 
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.model_dir = device, dtype, model_dir
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.logprob_fraction = logprob_fraction
         self.can_sleep = device.type == "cuda" and sleep != "never"
@@ -96,6 +99,12 @@ class VLLMEngine:
         """How the last sync reached the engine's parameters: "files", "loader" (vLLM's reload_weights) or "direct"."""
         self._asleep: set[str] = set()
         self._shared: SharedWeights | None = None
+        self.adapters = adapters
+        self._lora_request: Any = None
+        """The LoRA adapter every generate call uses (with ``adapters``, from the first sync on)."""
+        lora: dict[str, Any] = {}
+        if adapters is not None:
+            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=_max_lora_rank(adapters.rank))
         if device.type == "cpu" and kv_cache_gb == 0:
             kv_cache_gb = CPU_KV_CACHE_GB
         self._scratch = Path(tempfile.mkdtemp(prefix="rlkit-vllm-weights-", dir=_scratch_root(model_dir)))
@@ -121,6 +130,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",
                 worker_extension_cls="rlkit.rollout.vllm_worker.WorkerExtension",
+                **lora,
             )
         self._processes = [p for p in _vllm_processes() if p not in others]
         self._reaper.watch(self._processes, _shared_memory_files(self._processes))
@@ -165,7 +175,8 @@ class VLLMEngine:
         plain = VLLMSamplingParams(**common)
         chosen = [logprob_prompts(len(prompt_ids), self.logprob_fraction) for prompt_ids, _ in shards]
         sampling = [with_logprobs if c else plain for c in torch.cat(chosen).tolist()]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
+        lora_request = self._lora_request
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=lora_request) if prompts else []
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         generations, start = [], 0
         for (prompt_ids, _), rows in zip(shards, chosen, strict=True):
@@ -183,6 +194,8 @@ class VLLMEngine:
         after a sleep, copied into in place otherwise), then the engine copies them into its parameters;
         on CPU they go through safetensors files in the scratch folder.
         """
+        if self.adapters is not None:
+            return self._load_adapter(weights)
         if self.device.type != "cuda":
             count = write_files(weights, self.dtype, self._scratch)
             self._wake("weights", "kv_cache")
@@ -202,6 +215,22 @@ class VLLMEngine:
         self.last_sync = self.llm.collective_rpc("rlkit_reload_attached")[0]
         self._wake("kv_cache")
         return len(self._shared)
+
+    def _load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write the adapters' tensors as a peft directory in the scratch folder and load it in place of the
+        engine's adapter (``load_inplace``: the same id would otherwise keep the old one); returns how many."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.adapters is not None
+        tensors = list(weights)
+        path = self._scratch / "adapter"
+        save_adapter(path, tensors, self.adapters, str(self.model_dir))
+        self._wake("weights", "kv_cache")
+        request = LoRARequest(lora_name="rlkit", lora_int_id=1, lora_path=str(path), load_inplace=True)
+        self.llm.llm_engine.add_lora(request)
+        self._lora_request = LoRARequest(lora_name="rlkit", lora_int_id=1, lora_path=str(path))
+        self.last_sync = "adapter"
+        return len(tensors)
 
     def sleep(self) -> None:
         """Free the weights (kept in host memory), the KV cache and the shared buffers on GPU, unless
@@ -274,6 +303,11 @@ def _to_generation(
         logprob_rows=rows.to(device),
         finish_reason=reasons,
     )
+
+
+def _max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds ``rank``."""
+    return next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
 
 
 def _vllm_processes() -> list[psutil.Process]:

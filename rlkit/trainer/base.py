@@ -281,6 +281,21 @@ class PolicyTrainerBase(ABC):
         """Each rank's memory at the phase boundaries of the last step, broken down by what holds it."""
         return diagnostics.memory_table(self._policy.call(ActorRole.memory_marks))
 
+    def adapters(self) -> pd.DataFrame:
+        """Where each rank's LoRA adapters bound: one row per rank and adapted module name (e.g. "self_attn.q_proj"),
+        with how many decoder layers have it, of how many (0 for a module outside the layers). Empty without
+        LoRA. Ranks must agree (they bind the same model with the same targets)."""
+        rows = []
+        for rank, binding in enumerate(self._policy.call(ActorRole.adapter_binding)):
+            if binding is None:
+                continue
+            layers = len(binding.per_layer)
+            rows += [{"rank": rank, "module": name, "layers": count, "of_layers": layers}
+                     for name, count in binding.summary().items()]
+            rows += [{"rank": rank, "module": name, "layers": 0, "of_layers": layers}
+                     for name in binding.outside_layers]
+        return pd.DataFrame(rows, columns=["rank", "module", "layers", "of_layers"])
+
     def grad_norms(self) -> diagnostics.GradNorms:
         """The last optimizer step's per-rank, per-unit gradient norms, the true global norm, disagreements."""
         reports = self._policy.call(ActorRole.grad_report)

@@ -7,6 +7,8 @@ the controller reads (``inspect``, ``memory_marks``, ``grad_report``) and the ac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 from rlkit import diagnostics
-from rlkit.config import FSDPConfig, OptimConfig
-from rlkit.fsdp import apply_fsdp, build_mesh
-from rlkit.fsdp.checkpoint import export_hf
+from rlkit.config import FSDPConfig, LoraConfig, OptimConfig
+from rlkit.fsdp import apply_fsdp, build_mesh, param_dtype
+from rlkit.fsdp.checkpoint import export_hf, write_hf
 from rlkit.models import load_causal_lm
+from rlkit.models.lora import LoraBinding, adapters_disabled, apply_lora
 from rlkit.runtime import Role, context
+from rlkit.workers.lora import engine_weights, export_adapter
 from rlkit.workers.phases import PhaseClock
 from rlkit.workers.training import TrainedModel
 
@@ -37,7 +41,9 @@ class ActorRole(Role):
         reference: bool,
         trust_remote_code: bool,
         attn_implementation: str = "sdpa",
+        lora: LoraConfig | None = None,
     ):
+        """``reference``: hold a frozen reference (with ``lora`` on: the actor with its adapters off, no copy)."""
         ctx = context()
         self.model_dir = Path(model_dir)
         self.device, self.rank, self.world_size = ctx.device, ctx.rank, ctx.world_size
@@ -49,15 +55,36 @@ class ActorRole(Role):
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
-        self.actor = TrainedModel.build(load_causal_lm(self.model_dir, **load), mesh, fsdp, optim, optimizer_steps)
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.lora_binding: LoraBinding | None = None
+        """The modules this rank's adapters bound to (with ``lora``)."""
+        if self.lora is not None:  # a frozen base needs no fp32 master copy: it stays in the compute dtype
+            base = load_causal_lm(self.model_dir, **{**load, "dtype": param_dtype(fsdp, self.device.type)})
+            self.lora_binding = apply_lora(base, self.lora)
+            self.actor = TrainedModel.build(base, mesh, fsdp, optim, optimizer_steps)
+        else:
+            self.actor = TrainedModel.build(load_causal_lm(self.model_dir, **load), mesh, fsdp, optim, optimizer_steps)
         self.reference: torch.nn.Module | None = None
-        if reference:
+        """A frozen copy of the initial policy (full fine-tuning with a KL term)."""
+        self.base_is_reference = reference and self.lora is not None
+        """The KL reference is the actor with its adapters off."""
+        if reference and self.lora is None:
             self.reference = apply_fsdp(load_causal_lm(self.model_dir, **load).requires_grad_(False), mesh, fsdp)
         self.clock = PhaseClock(self.device)
         self.memory = self._memory_tracker(engine=None)
         ctx.set_memory_report("policy", lambda: self.memory.breakdown_mb())  # in an out-of-memory error
         self.grads: diagnostics.GradReport | None = None
         """The last optimizer step's gradient report (per-unit local norms before clipping, global norm, loss)."""
+
+    @contextmanager
+    def reference_model(self) -> Iterator[torch.nn.Module | None]:
+        """The model that scores the KL reference in the ``with`` block: the frozen copy, the actor with its
+        adapters off (LoRA), or None without a reference."""
+        if self.base_is_reference:
+            with adapters_disabled(self.actor.model):
+                yield self.actor.model
+        else:
+            yield self.reference
 
     def _memory_tracker(self, engine: torch.nn.Module | None) -> diagnostics.MemoryTracker:
         models = [m for m in (self.actor.model, self.reference) if m is not None]
@@ -78,6 +105,10 @@ class ActorRole(Role):
     def inspect(self) -> diagnostics.RankReport:
         """The actor with its optimizer, and :meth:`others`."""
         return diagnostics.inspect(self.actor.model, self.actor.optimizer, others=self.others())
+
+    def adapter_binding(self) -> LoraBinding | None:
+        """The modules this rank's LoRA adapters bound to (None without LoRA)."""
+        return self.lora_binding
 
     def memory_marks(self) -> list[diagnostics.MemoryMark]:
         return self.memory.marks
@@ -100,11 +131,18 @@ class ActorRole(Role):
             if self.rank == 0:
                 (path / "hf").mkdir()
             dist.barrier()
-            export_hf(self.actor.model, path / "hf", self.model_dir)
+            self.export(str(path / "hf"))
 
     def export(self, directory: str) -> None:
-        """The actor's full weights as a Hugging Face directory (rank 0 writes; every rank gathers)."""
-        export_hf(self.actor.model, Path(directory), self.model_dir)
+        """The actor's full weights as a Hugging Face directory (rank 0 writes; every rank gathers). With LoRA: the
+        adapters merged into the base, and the adapters alone as a peft directory in its ``adapter/`` folder."""
+        if self.lora is None:
+            export_hf(self.actor.model, Path(directory), self.model_dir)
+            return
+        merged = {n: t.cpu() for n, t in engine_weights(self.actor.model, self.lora, "merged") if self.rank == 0}
+        if self.rank == 0:
+            write_hf(merged, self.actor.model, Path(directory), self.model_dir)
+        export_adapter(self.actor.model, Path(directory) / "adapter", self.lora, str(self.model_dir))
 
     def load(self, directory: str) -> None:
         """Restore what :meth:`save` wrote."""

@@ -15,9 +15,10 @@ import torch
 from rlkit import diagnostics
 from rlkit.algos import Mean, loss_weights, value_objective
 from rlkit.config import PPOConfig
-from rlkit.fsdp import build_mesh
+from rlkit.fsdp import build_mesh, param_dtype
+from rlkit.models.lora import apply_lora
 from rlkit.models.packing import can_pack
-from rlkit.models.value import load_value_model, response_values
+from rlkit.models.value import load_value_model, response_values, value_head_name
 from rlkit.runtime import Role, context
 from rlkit.workers.batches import CriticRows, global_counts, in_micro_batches, micro_batches, mini_batches
 from rlkit.workers.messages import UpdateResult, ValuesResult
@@ -34,13 +35,16 @@ class CriticWorker(Role):
         self.config = config
         self.rank, self.world_size = ctx.rank, ctx.world_size
         torch.manual_seed(config.seed)  # the new value head must be the same on every rank
+        lora = config.critic.lora if config.critic.lora.enabled else None
         model = load_value_model(
             Path(model_dir),
-            dtype=torch.float32,
+            dtype=torch.float32 if lora is None else param_dtype(config.fsdp, ctx.device.type),  # a frozen base
             device=ctx.device,
             trust_remote_code=config.trust_remote_code,
             attn_implementation=config.attn_implementation,
         )
+        self.lora_binding = None if lora is None else apply_lora(model, lora, head=value_head_name(model))
+        """The modules the backbone's adapters bound to (``critic.lora``; the value head trains whole)."""
         self.padding_free = config.padding_free and can_pack(model)
         mesh = build_mesh(ctx.device.type, ctx.world_size, config.fsdp)
         optimizer_steps = config.steps * config.ppo_epochs * config.mini_batches

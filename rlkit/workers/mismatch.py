@@ -11,11 +11,12 @@ from typing import Protocol
 
 import torch
 
-from rlkit.config import RLConfig
+from rlkit.config import LoraConfig, RLConfig
 from rlkit.diagnostics.rescore import PROBE_ROWS, Rescored, engine_tensor_sums, rescore_rows, tensor_sums
-from rlkit.fsdp import iter_full_params, param_dtype
+from rlkit.fsdp import param_dtype
 from rlkit.models.logprobs import response_logprobs
 from rlkit.workers.batches import Rows
+from rlkit.workers.lora import engine_weights
 from rlkit.workers.training import TrainedModel
 
 LOGIT_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -36,6 +37,8 @@ class Probed(Protocol):
     def engine(self) -> object: ...
     @property
     def engine_synced_at(self) -> int: ...
+    @property
+    def lora(self) -> LoraConfig | None: ...
 
 
 @torch.no_grad()
@@ -101,10 +104,11 @@ def _scores(model: torch.nn.Module, rows: Rows, width: int, temperature: float) 
 
 
 def _add_sums(worker: Probed, result: Rescored, engine_dtype: torch.dtype) -> None:
-    """The trainer's and the engine's per-tensor sums (gathering the full weights is a collective)."""
+    """The trainer's and the engine's per-tensor sums (gathering the full weights is a collective), of the tensors a
+    sync sends (LoRA: merged, or the adapters)."""
     trainer: dict[str, tuple[float, float]] = {}
     shapes: dict[str, list[int]] = {}
-    for name, tensor in iter_full_params(worker.actor.model):
+    for name, tensor in engine_weights(worker.actor.model, worker.lora, worker.config.rollout.lora_sync):
         shapes[name] = list(tensor.shape)
         trainer.update(tensor_sums([(name, tensor)], engine_dtype))
     engine, result.unreadable = engine_tensor_sums(worker.engine, shapes)

@@ -30,7 +30,7 @@ from rlkit.config import RLConfig
 from rlkit.data.agents import Agent
 from rlkit.data.chat import ChatRenderer
 from rlkit.diagnostics.rescore import Rescored
-from rlkit.fsdp import iter_full_params, param_dtype
+from rlkit.fsdp import param_dtype
 from rlkit.models import load_tokenizer
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
@@ -39,6 +39,7 @@ from rlkit.rollout.base import Generation
 from rlkit.rollout.episodes import EpisodeInput, Episodes, run_episodes
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.batches import PolicyRows, Rows, global_counts, in_micro_batches, micro_batches, mini_batches
+from rlkit.workers.lora import engine_weights
 from rlkit.workers.messages import RolloutResult, SampleResult, UpdateResult
 from rlkit.workers.metrics import MetricSums
 from rlkit.workers.mismatch import probe_mismatch
@@ -66,6 +67,7 @@ class PolicyWorker(ActorRole):
             reference=config.kl_coef > 0,
             trust_remote_code=config.trust_remote_code,
             attn_implementation=config.attn_implementation,
+            lora=config.lora,
         )
         self.config = config
         tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
@@ -82,6 +84,7 @@ class PolicyWorker(ActorRole):
             max_prompt_tokens=config.data.max_prompt_tokens,
             seed=config.seed,
             trust_remote_code=config.trust_remote_code,
+            adapters=self.lora if config.rollout.lora_sync == "adapter" else None,
         )
         self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
         self.engine_synced_at = 0
@@ -143,9 +146,11 @@ class PolicyWorker(ActorRole):
             with self.clock.timed("logprobs"):
                 old_logprobs = self._scored_logprobs(self.actor.model, input_ids, attention_mask)
             self.memory.mark("actor_logprobs")
-        if self.reference is not None:
-            with self.clock.timed("reference"):
-                ref_logprobs = self._scored_logprobs(self.reference, input_ids, attention_mask)
+        with self.reference_model() as reference:
+            if reference is not None:
+                with self.clock.timed("reference"):
+                    ref_logprobs = self._scored_logprobs(reference, input_ids, attention_mask)
+        if ref_logprobs is not None:
             self.memory.mark("reference")
         return RolloutResult(
             response_ids=gen.response_ids.cpu(),
@@ -256,9 +261,10 @@ class PolicyWorker(ActorRole):
         return UpdateResult(metrics=metrics, old_logprobs=old, times=dict(self.clock.times), memory_mb=report_memory)
 
     def sync_engine(self) -> int:
-        """Push the actor's full weights into the rollout engine; returns how many tensors were loaded."""
+        """Push the actor's full weights (LoRA: merged, or the adapters alone, as ``rollout.lora_sync`` says) into the
+        rollout engine; returns how many tensors were loaded."""
         with self.clock.timed("sync"):
-            count = self.engine.load_weights(iter_full_params(self.actor.model))
+            count = self.engine.load_weights(engine_weights(self.actor.model, self.lora, self.config.rollout.lora_sync))
         self.engine_synced_at = int(self.actor.scheduler.last_epoch)
         return count
 

@@ -42,7 +42,8 @@ class TrainedModel:
     ) -> TrainedModel:
         """Shard ``model`` with FSDP, then build AdamW over the sharded parameters and a schedule of ``total_steps``."""
         wrapped = apply_fsdp(model, mesh, fsdp)
-        optimizer, scheduler = build_optimizer(wrapped.parameters(), optim, total_steps)
+        trained = [p for p in wrapped.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer, scheduler = build_optimizer(trained, optim, total_steps)
         return cls(wrapped, optimizer, scheduler, reshard_after_forward=fsdp.reshard_after_forward)
 
     @property

@@ -1,0 +1,210 @@
+"""LoRA: the sharded update on 2 gloo workers against a one-process peft reference, the reference policy with the
+adapters off, merged weights, the binding checks."""
+
+import dataclasses
+
+import pytest
+import torch
+from role_runs import rank_share, save_model_dir
+from test_fsdp import CLIP, KL, LR, WIDTH, make_batch, small_model
+
+import rlkit
+from rlkit.algos import clipped_policy_loss, kl_estimate
+from rlkit.models.logprobs import response_logprobs
+from rlkit.models.lora import adapters_disabled, apply_lora, bind, merged_weights
+
+pytest.importorskip("peft")
+
+LORA = rlkit.LoraConfig(rank=4, alpha=8.0)
+
+
+def config(version: int, **lora) -> rlkit.GRPOConfig:
+    return rlkit.GRPOConfig(
+        clip_eps=CLIP,
+        kl_coef=KL,
+        micro_batch_size=2,
+        rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH),
+        data=rlkit.DataConfig(max_prompt_tokens=6),
+        optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5),
+        fsdp=rlkit.FSDPConfig(version=version),
+        lora=dataclasses.replace(LORA, **lora),
+    )
+
+
+def start_adapters() -> dict[str, torch.Tensor]:
+    """Adapters with B != 0 (a fresh B is 0, which would leave A's first gradient 0): by parameter path."""
+    model = small_model()
+    apply_lora(model, LORA)
+    gen = torch.Generator().manual_seed(3)
+    return {n: 0.1 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reference_update() -> dict:
+    """One process, peft's own PeftModel: the update's loss, adapter gradients (after clipping) and adapters."""
+    import peft
+
+    model = peft.get_peft_model(small_model(), peft.LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear"))
+    peft.set_peft_model_state_dict(model, {"base_model.model." + k: v for k, v in start_adapters().items()})
+    batch = make_batch()
+    trained = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(trained.values(), lr=LR, weight_decay=0.0)
+    logp, _ = response_logprobs(model, batch["input_ids"], batch["attention_mask"], response_width=WIDTH,
+                                temperature=1.0)  # fmt: skip
+    per_token, _ = clipped_policy_loss(logp, batch["old_logprobs"], batch["advantages"], CLIP)
+    per_token = per_token + KL * kl_estimate(logp, batch["ref_logprobs"], "k3")
+    mask = batch["response_mask"]
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trained.values(), 0.5)
+    grads = {n: p.grad.clone() for n, p in trained.items()}
+    optimizer.step()
+    return {"loss": loss.item(), "grads": grads, "adapters": {n: p.detach().clone() for n, p in trained.items()}}
+
+
+def sharded_update(model_dir: str, version: int) -> dict:
+    """On a worker: rlkit's PolicyWorker with LoRA from the same adapters, half the batch on this rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from rlkit.fsdp import iter_full_params
+    from rlkit.fsdp.full_params import clean_name
+    from rlkit.models.lora import is_adapter_param
+    from rlkit.workers import PolicyRows, PolicyWorker
+
+    worker = PolicyWorker(config(version), model_dir)
+    model = worker.actor.model
+    set_model_state_dict(model, start_adapters(), options=StateDictOptions(full_state_dict=True, strict=False))
+    before = {n: t for n, t in iter_full_params(model) if not is_adapter_param(n)}
+    share = rank_share(make_batch())
+    fields = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+    result = worker.update(PolicyRows(**{k: share[k] for k in fields}))
+    grads = {}
+    if version == 2:  # FSDP1's flat gradients are checked through the weights
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                grads[name] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+    after = dict(iter_full_params(model))
+    with worker.reference_model() as reference:
+        assert reference is model
+        ref_logp, _ = response_logprobs(reference, share["input_ids"], share["attention_mask"], response_width=WIDTH,
+                                        temperature=1.0)  # fmt: skip
+    report = worker.grad_report()
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    optimized = sorted(names[id(p)] for g in worker.actor.optimizer.param_groups for p in g["params"])
+    worker.close()
+    return {
+        "loss": result.metrics["actor/loss"],
+        "grads": grads,
+        "adapters": {n: t for n, t in after.items() if is_adapter_param(n)},
+        "frozen_moved": [n for n, t in before.items() if not torch.equal(t, after[n])],
+        "ref_logprobs": ref_logp.detach(),
+        "reported": sorted(e.name for e in report.entries),
+        "optimized": optimized,
+        "binding": worker.lora_binding.summary(),
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with rlkit.launch(world_size=2) as c:
+        yield c
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("version", [2, 1])
+def test_lora_update_equals_one_process_peft_reference(cluster, model_dir, version):
+    ref = reference_update()
+    base = small_model()
+    batch = make_batch()
+    for rank, got in enumerate(cluster.run(sharded_update, model_dir, version)):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert got["adapters"].keys() == ref["adapters"].keys()
+        for name, want in ref["adapters"].items():
+            torch.testing.assert_close(got["adapters"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-4, atol=1e-7, msg=name)
+        assert got["frozen_moved"] == []
+        # the KL reference is the base model: the adapters off, no copy
+        share = {k: v[rank * 4 : (rank + 1) * 4] for k, v in batch.items()}
+        base_logp, _ = response_logprobs(base, share["input_ids"], share["attention_mask"], response_width=WIDTH,
+                                         temperature=1.0)  # fmt: skip
+        torch.testing.assert_close(got["ref_logprobs"], base_logp.detach(), rtol=1e-5, atol=1e-5)
+        # only the adapters are optimized and in the gradient report
+        assert got["optimized"] == sorted(ref["adapters"])
+        assert got["reported"] and all(".lora_" in n for n in got["reported"])
+        assert got["binding"] == {name: 2 for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}  # fmt: skip
+
+
+def test_merged_weights_give_the_adapted_models_outputs():
+    model = small_model()
+    apply_lora(model, LORA)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(start_adapters()[name])
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    base = small_model()
+    with torch.no_grad():
+        adapted = model(ids).logits
+        with adapters_disabled(model):
+            torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
+        merged = dict(merged_weights(model.named_parameters(), LORA.alpha / LORA.rank))
+        assert merged.keys() == dict(base.named_parameters()).keys()
+        base.load_state_dict(merged)
+        torch.testing.assert_close(base(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+        assert (adapted - small_model()(ids).logits).abs().max() > 0.1  # the adapters do move the outputs
+
+
+def test_target_lists_that_bind_nothing_or_some_layers_are_errors_naming_what_matched():
+    model = small_model()
+    assert bind(model, rlkit.LoraConfig(rank=2, target_modules=["q_proj", "v_proj"])).summary() == {
+        "self_attn.q_proj": 2, "self_attn.v_proj": 2}  # fmt: skip
+    with pytest.raises(ValueError, match=r"matches no module.*\['down_proj', 'gate_proj', 'k_proj'"):
+        bind(model, rlkit.LoraConfig(rank=2, target_modules=["query_key_value"]))
+    with pytest.raises(ValueError, match=r"unevenly \(1 of 2 layers.*model.layers.1': \[\]"):
+        bind(model, rlkit.LoraConfig(rank=2, target_modules=["layers.0.self_attn.q_proj"]))
+    with pytest.raises(ValueError, match="not linear layers"):
+        bind(model, rlkit.LoraConfig(rank=2, target_modules=["embed_tokens"]))
+
+
+def test_a_target_list_matching_nothing_is_reported_before_launch():
+    from rlkit.diagnostics.preflight import check_launch
+
+    config = rlkit.GRPOConfig(model="tiny", lora=rlkit.LoraConfig(rank=4, target_modules=["qkv_proj", "dense"]))
+    with pytest.raises(rlkit.ConfigError, match=r"target_modules=\['qkv_proj', 'dense'\] matches no module.*'q_proj'"):
+        check_launch(config, 2)
+
+
+QWEN_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+ONE_H200 = dict(device_memory_gib=139.8, world_size=1, prompt_tokens=256, response_tokens=1024, samples_per_step=64,
+                micro_batch_size=4, padding_free=True, padding_mask=False, activation_checkpointing=True,
+                reference=True, engine="vllm", gpu_memory_utilization=0.3)
+"""A GRPO run with a KL term on one H200, vLLM colocated."""
+
+
+@pytest.mark.parametrize("shape,adapters", [(QWEN_7B, 40_370_176), (LLAMA_8B, 41_943_040)])
+def test_memory_estimate_fits_7b_and_8b_on_one_device_with_lora_not_without(shape, adapters):
+    from rlkit import diagnostics as dx
+    from rlkit.diagnostics.memory_terms import GiB, ModelShape
+
+    model = ModelShape.from_config(shape)
+    assert model.lora_params(16) == adapters  # 16 * (in + out) of q, k, v, o, gate, up, down in every layer
+    full = dx.estimate_memory(shape, **ONE_H200)
+    lora = dx.estimate_memory(shape, **ONE_H200, lora_rank=16)
+    assert not full.fits and lora.fits
+    state = lora.phases["update"]
+    assert state["parameters"] * GiB == pytest.approx(2 * model.num_parameters + 4 * adapters, abs=1)  # bf16 + fp32
+    assert state["gradients"] * GiB == pytest.approx(4 * adapters, abs=1)
+    assert state["optimizer"] * GiB == pytest.approx(8 * adapters, abs=1)
+    # full fine-tuning holds fp32 parameters, gradients, AdamW state and a reference copy: 20 bytes a parameter
+    assert full.phases["update"]["parameters"] * GiB == pytest.approx(8 * model.num_parameters, abs=1)
+    assert full.peak_gib - lora.peak_gib > 100
