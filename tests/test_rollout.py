@@ -141,13 +141,17 @@ def test_the_reaper_removes_what_a_killed_process_left_and_nothing_after_a_relea
 
     import psutil
 
+    from rlkit.rollout import reaper
+
     script = """if True:
-        import json, os, signal, subprocess, sys, psutil
-        from rlkit.rollout.reaper import Reaper
+        import importlib.util, json, os, signal, subprocess, sys, psutil
+        spec = importlib.util.spec_from_file_location("reaper", sys.argv[3])  # the file alone: no torch to import
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
         released, folder = sys.argv[1] == "release", sys.argv[2]
         os.makedirs(folder)
         child = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        reaper = Reaper()
+        reaper = module.Reaper()
         reaper.watch([psutil.Process(child.pid)], [folder])
         if released:
             reaper.release()
@@ -156,7 +160,8 @@ def test_the_reaper_removes_what_a_killed_process_left_and_nothing_after_a_relea
     """
     for mode in ("kill", "release"):
         folder = tmp_path / mode
-        done = subprocess.run([sys.executable, "-c", script, mode, str(folder)], capture_output=True, text=True)
+        command = [sys.executable, "-c", script, mode, str(folder), reaper.__file__]
+        done = subprocess.run(command, capture_output=True, text=True)
         pids = json.loads(done.stdout)
         child = psutil.Process(pids["child"]) if psutil.pid_exists(pids["child"]) else None
         try:

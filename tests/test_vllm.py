@@ -4,6 +4,7 @@ weight sync after an update, a skipped sync caught by the log-prob gap, GRPO ste
 import importlib.util
 import logging
 import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -45,7 +46,8 @@ def trainer(cluster):
 def update_with_random_advantages(trainer: rlkit.Trainer) -> None:
     """One real update whatever the rewards (a whole step's groups can all score alike)."""
     batch = trainer.score(trainer.rollout())
-    batch.advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(trainer.steps_done))
+    noise = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(trainer.steps_done))
+    batch.advantages = noise * batch.response_mask  # [B, T], 0 off the response
     trainer.update(batch)
 
 
@@ -155,7 +157,7 @@ def test_update_then_sync_moves_vllm_to_the_trainer(cluster, trainer):
     )
     assert moved, "vLLM's outputs did not change after an update and sync"
     fresh = trainer.rollout()
-    gap = ((fresh.logprobs - fresh.rollout_logprobs).abs() * fresh.response_mask).max().item()
+    gap = ((fresh.old_logprobs - fresh.rollout_logprobs).abs() * fresh.response_mask).max().item()
     assert gap < SAMPLED_GAP, f"rollout after the sync: trainer and vLLM log-probs differ by {gap}"
 
 
@@ -216,40 +218,33 @@ def test_mismatch_names_a_repetition_penalty_and_a_skipped_sync(cluster, trainer
     assert stale.causes == ["stale weights"], str(stale)
 
 
-def penalised_copy_of_tiny(folder) -> str:
+def penalised_copy_of_tiny(folder: Path) -> str:
     """The tiny model in ``folder``, its generation_config.json asking for repetition_penalty 1.5."""
     import json
     import shutil
 
     from rlkit.models.tiny import TINY_MODEL_DIR
 
-    copy = shutil.copytree(TINY_MODEL_DIR, folder / "tiny-penalised")
+    copy = Path(shutil.copytree(TINY_MODEL_DIR, folder / "tiny-penalised"))
     settings = json.loads((copy / "generation_config.json").read_text())
     (copy / "generation_config.json").write_text(json.dumps({**settings, "repetition_penalty": 1.5}))
     return str(copy)
 
 
 @pytest.mark.timeout(600)
-def test_engines_ignore_the_model_directorys_generation_config(cluster, trainer, tmp_path):
-    """Neither engine applies a logits setting rlkit's trainer does not (here repetition_penalty 1.5 from the model's
-    generation_config.json, which put the HF engine 0.46 nats off on average): the gap stays at float noise."""
-    model = penalised_copy_of_tiny(tmp_path)
-    for engine in ("hf", "vllm"):
-        config = grpo_config(engine)
-        config.model = model
-        penalised = rlkit.Trainer(cluster, config, reward_fn=lambda prompts, completions, **_: [0.0] * len(prompts),
-                                  prompts=PROMPTS)  # fmt: skip
-        batch = penalised.rollout()
-        gap = batch.logprob_gap_tokens()[batch.response_mask.bool()]
-        assert gap.max().item() < SAMPLED_GAP and gap.mean().item() < 1e-5, f"{engine}: log-prob gap {gap.max()}"
-
-
-@pytest.mark.timeout(600)
-def test_replacing_the_trainer_and_shutting_down_free_the_engines(cluster, trainer):
+def test_replacing_the_trainer_and_shutting_down_free_the_engines(cluster, trainer, tmp_path):
+    """Also: the hf engine does not sample with the model directory's generation_config.json (here
+    repetition_penalty 1.5, which put it 0.46 nats off the trainer on average); vLLM's is checked by the next test."""
     old = cluster.run(engine_processes)
     assert all(old), "no engine processes found under the workers"
-    rlkit.Trainer(cluster, grpo_config(engine="hf"))
+    config = grpo_config(engine="hf")
+    config.model = penalised_copy_of_tiny(tmp_path)
+    hf = rlkit.Trainer(cluster, config, reward_fn=lambda prompts, completions, **_: [0.0] * len(prompts),
+                       prompts=PROMPTS)  # fmt: skip
     assert not any(alive(pid) for pids in old for pid in pids), "the old engine outlived its trainer"
+    batch = hf.rollout()
+    gap = batch.logprob_gap_tokens()[batch.response_mask.bool()]
+    assert gap.max().item() < SAMPLED_GAP and gap.mean().item() < 1e-5, f"hf: log-prob gap {gap.max()}"
     rlkit.Trainer(cluster, grpo_config())
     new = cluster.run(engine_processes)
     assert all(new)
@@ -273,9 +268,14 @@ ORPHAN_CONTROLLER = """if True:
 
     if __name__ == "__main__":
         cluster = rlkit.launch(world_size=2)
-        rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=4, group_size=4,
-                                                rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6)))
-        print(json.dumps(cluster.run(engine_state)), flush=True)
+        config = rlkit.GRPOConfig(model=sys.argv[1], seed=0, prompts_per_step=4, group_size=4,
+                                  rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6, engine_logprobs=1.0))
+        trainer = rlkit.Trainer(cluster, config, reward_fn=lambda prompts, completions, **_: [0.0] * len(prompts),
+                                prompts=["1+2=", "13+45=", "99+99=", "7+80="])
+        batch = trainer.rollout()
+        gap = batch.logprob_gap_tokens()[batch.response_mask.bool()]
+        print(json.dumps({"gap": [gap.max().item(), gap.mean().item()], "ranks": cluster.run(engine_state)}),
+              flush=True)
         time.sleep(600)
 """
 
@@ -283,20 +283,25 @@ ORPHAN_CONTROLLER = """if True:
 @pytest.mark.timeout(600)
 def test_a_killed_controller_leaves_no_engine_process_or_shared_memory(tmp_path):
     """The kernel dies (SIGKILL: no cleanup of its own): its workers die by their parent-death signal, and their vLLM
-    engines' processes, weight scratch folders and shared-memory segments go with them within a bounded time."""
+    engines' processes, weight scratch folders and shared-memory segments go with them within a bounded time.
+    Before that, on a model whose generation_config.json asks for repetition_penalty 1.5, vLLM samples as the
+    trainer scores (it ignores the file)."""
     import json
     import signal
     import subprocess
     import sys
     import time
 
-    controller = subprocess.Popen([sys.executable, "-c", ORPHAN_CONTROLLER], stdout=subprocess.PIPE, text=True,
+    model = penalised_copy_of_tiny(tmp_path)
+    controller = subprocess.Popen([sys.executable, "-c", ORPHAN_CONTROLLER, model], stdout=subprocess.PIPE, text=True,
                                   cwd=tmp_path)  # fmt: skip
     try:
-        ranks = json.loads(controller.stdout.readline())
+        seen = json.loads(controller.stdout.readline())
     finally:
         controller.send_signal(signal.SIGKILL)
         controller.wait()
+    ranks, (gap_max, gap_mean) = seen["ranks"], seen["gap"]
+    assert gap_max < SAMPLED_GAP and gap_mean < 1e-5, f"vllm: log-prob gap {gap_max} (mean {gap_mean})"
     pids = [pid for rank in ranks for pid in [rank["worker"], *rank["engine"]]]
     paths = [path for rank in ranks for path in rank["paths"]]
     assert all(rank["engine"] for rank in ranks) and any(p.startswith("/dev/shm/") for p in paths), ranks

@@ -59,7 +59,8 @@ class RLConfig:
     micro_batch_size: int = 64
     """Sequences per forward/backward on a rank (gradient accumulation above it)."""
     max_tokens_per_micro_batch: int = 0
-    """Token-budget micro-batches: each forward/backward takes rows of at most this many real tokens (prompt +
+    """Token-budget micro-batches: each forward/backward (the update's, and the scoring passes': old and reference
+    log-probs, the critic's values, the reward model) takes rows of at most this many real tokens (prompt +
     response), as few micro-batches as fit, the same number on every rank, tokens balanced across them; 0 counts
     sequences (micro_batch_size). Must hold the longest row: >= data.max_prompt_tokens + rollout.max_new_tokens."""
     recompute_logprobs: bool = True

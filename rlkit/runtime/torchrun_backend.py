@@ -200,8 +200,11 @@ class TorchrunBackend:
         keys = [f"beat/{rank}" for rank in range(self.world_size)]
         for rank, key in enumerate(keys):
             if self._store.check([key]):
-                when, rss = self._store.get(key).split()
-                self._beats[rank] = (float(when), float(rss))
+                try:  # unsigned (a time and a figure, never unpickled): a forged one is skipped
+                    when, rss = self._store.get(key).split()
+                    self._beats[rank] = (float(when), float(rss))
+                except ValueError:
+                    logger.warning("skipped a heartbeat of rank %d that is not 'time rss_mb'", rank)
 
     def _send(self, rank: int, msg: tuple) -> None:
         store_channel.put_object(self._store, f"in/{rank}/{self._sent[rank]}", msg)
