@@ -1,4 +1,4 @@
-"""Test set-up: ``rlkit.widgets`` is this checkout's widgets/ folder.
+"""Test set-up: ``rlkit.widgets`` is this checkout's widgets/ folder, and one 2-rank cluster for the session.
 
 pyproject maps the package rlkit.widgets to widgets/; an editable install of another checkout maps it there,
 even when PYTHONPATH puts this checkout's rlkit first. Load this checkout's instead, here; tests that start
@@ -8,12 +8,14 @@ kernels (fresh processes) skip unless those find this checkout's too (``widgets_
 from __future__ import annotations
 
 import _thread
+import gc
 import importlib.util
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,57 @@ def interrupt_after():
     for timer in timers:
         timer.cancel()
     signal.signal(signal.SIGINT, previous)
+@pytest.fixture(scope="session")
+def _held_cluster() -> Iterator[dict]:
+    """The session's shared cluster and the device it was asked for (filled by ``cluster``)."""
+    held: dict = {}
+    yield held
+    if "cluster" in held:
+        held["cluster"].shutdown()
+
+
+def _shared_cluster(held: dict, device: str):
+    """The held 2-rank cluster if it is still running and on ``device`` ("cpu" also takes an "auto" one that
+    resolved to the CPU), else a fresh one: any ``rlkit.launch`` elsewhere (a test's own cluster, the CLI) shuts
+    the held one down, so a later module relaunches it."""
+    import rlkit
+
+    cluster = held.get("cluster")
+    reusable = cluster is not None and not cluster.closed and (
+        held["device"] == device or (device == "cpu" and cluster.device == "cpu"))  # fmt: skip
+    if not reusable:
+        held["cluster"], held["device"] = rlkit.launch(world_size=2, device=device), device
+    return held["cluster"]
+
+
+def _forget_roles() -> None:
+    """On a worker: close every role instance (freeing rollout engines) and clear the rank's state and memory
+    reports, as a fresh worker has them."""
+    from rlkit.runtime import Role, context
+
+    state = context().state
+    for value in list(state.values()):
+        if isinstance(value, Role):
+            value.close()
+    state.clear()
+    context().memory_reports.clear()
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def cluster(_held_cluster):
+    """A 2-rank cluster shared by the modules that ask for it (a launch and the workers' first imports cost
+    10-25 s on 2 cores); each module starts with no roles or state on it and leaves none."""
+    shared = _shared_cluster(_held_cluster, "auto")
+    yield shared
+    if not shared.closed:
+        shared.run(_forget_roles)
+
+
+@pytest.fixture(scope="module")
+def cpu_cluster(_held_cluster):
+    """As ``cluster``, on the CPU whatever the machine has."""
+    shared = _shared_cluster(_held_cluster, "cpu")
+    yield shared
+    if not shared.closed:
+        shared.run(_forget_roles)

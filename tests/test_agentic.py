@@ -18,12 +18,6 @@ ROLLOUT = rlkit.RolloutConfig(max_new_tokens=64)
 LR = 1e-3
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def gathered_weights() -> dict[str, torch.Tensor]:
     """On a worker: the actor's full weights (a collective)."""
     from rlkit.fsdp import iter_full_params

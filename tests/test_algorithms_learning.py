@@ -8,12 +8,6 @@ import rlkit
 ROLLOUT = rlkit.RolloutConfig(max_new_tokens=6)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def assert_learns(history, label: str) -> None:
     first, last = history["reward/mean"].head(5).mean(), history["reward/mean"].tail(5).mean()
     assert last > first + 0.2, f"{label}: mean reward went {first:.3f} -> {last:.3f}"

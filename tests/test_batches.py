@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import rlkit
 from rlkit.workers.batches import PolicyRows, _balanced_bins, _fewest_bins, micro_batches, mini_batches
 
 
@@ -45,12 +44,6 @@ def cut_on_rank(budget: int) -> list[list[int]]:
     for index, micro in cut:  # each micro-batch holds the rows it names
         assert torch.equal(micro.input_ids, rows_of(lengths).input_ids[index])
     return [index.tolist() for index, _ in cut] + [[int(micro.attention_mask.sum()) for _, micro in cut]]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
 
 
 def test_token_budget_micro_batches_pair_up_across_ranks(cluster):

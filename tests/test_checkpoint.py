@@ -28,51 +28,23 @@ def actor_weights() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-def test_resume_is_exact(tmp_path):
-    with rlkit.launch(world_size=2) as cluster:
-        straight = rlkit.Trainer(cluster, rlkit.GRPOConfig(**CONFIG))
-        straight.fit(4, progress=False)
-        expected = cluster.run(actor_weights)[0]
-        expected_history = straight.history
-
-    with rlkit.launch(world_size=2) as cluster:
-        first = rlkit.Trainer(cluster, rlkit.GRPOConfig(**CONFIG))
-        first.fit(2, progress=False)
-        saved = first.save(tmp_path / "ckpt")
-    assert saved.name == "step-000002"
-
-    with rlkit.launch(world_size=2) as cluster:
-        resumed = rlkit.Trainer.resume(cluster, tmp_path / "ckpt")
-        assert resumed.steps_done == 2
-        resumed.fit(2, progress=False)
-        got = cluster.run(actor_weights)[0]
-        history = resumed.history
-
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), f"{name} differs after resume"
-    assert history["reward/mean"].tolist() == expected_history["reward/mean"].tolist()
-    assert history["actor/lr"].tolist() == expected_history["actor/lr"].tolist()
-
-
-@pytest.mark.timeout(300)
-def test_hf_export_loads_without_rlkit_and_keep_last(tmp_path):
+def test_hf_export_loads_without_rlkit_and_keep_last(cluster, tmp_path):
     config = rlkit.GRPOConfig(**CONFIG, checkpoint=rlkit.CheckpointConfig(keep_last=2))
-    with rlkit.launch(world_size=2) as cluster:
-        trainer = rlkit.Trainer(cluster, config)
-        for _ in range(3):
-            trainer.step()
-            last = trainer.save(tmp_path)
-        ids = torch.tensor([[5, 6, 7, 8, 9]])
+    trainer = rlkit.Trainer(cluster, config)
+    for _ in range(3):
+        trainer.step()
+        last = trainer.save(tmp_path)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
 
-        def logits(ids):
-            from rlkit.runtime import local_instance
-            from rlkit.workers import PolicyWorker
+    def logits(ids):
+        from rlkit.runtime import local_instance
+        from rlkit.workers import PolicyWorker
 
-            model = local_instance(PolicyWorker).actor.model
-            with torch.no_grad():
-                return model(input_ids=ids).logits
+        model = local_instance(PolicyWorker).actor.model
+        with torch.no_grad():
+            return model(input_ids=ids).logits
 
-        expected = cluster.run(logits, ids)[0]
+    expected = cluster.run(logits, ids)[0]
     assert [p.name for p in checkpoints.complete(tmp_path)] == ["step-000002", "step-000003"]
 
     script = textwrap.dedent(
@@ -89,6 +61,33 @@ def test_hf_export_loads_without_rlkit_and_keep_last(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=120)
     got = torch.load(tmp_path / "logits.pt", weights_only=True)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_resume_is_exact(cluster, tmp_path):
+    """The straight run and the saved one on the session's cluster (each a fresh Trainer), the resume on a fresh
+    launch (which replaces that cluster: this test comes last of the module's users of it)."""
+    straight = rlkit.Trainer(cluster, rlkit.GRPOConfig(**CONFIG))
+    straight.fit(4, progress=False)
+    expected = cluster.run(actor_weights)[0]
+    expected_history = straight.history
+
+    first = rlkit.Trainer(cluster, rlkit.GRPOConfig(**CONFIG))
+    first.fit(2, progress=False)
+    saved = first.save(tmp_path / "ckpt")
+    assert saved.name == "step-000002"
+
+    with rlkit.launch(world_size=2) as fresh:
+        resumed = rlkit.Trainer.resume(fresh, tmp_path / "ckpt")
+        assert resumed.steps_done == 2
+        resumed.fit(2, progress=False)
+        got = fresh.run(actor_weights)[0]
+        history = resumed.history
+
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{name} differs after resume"
+    assert history["reward/mean"].tolist() == expected_history["reward/mean"].tolist()
+    assert history["actor/lr"].tolist() == expected_history["actor/lr"].tolist()
 
 
 SAVER = """

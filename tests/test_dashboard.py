@@ -20,12 +20,6 @@ SMALL = dict(model="tiny", seed=0, prompts_per_step=4, group_size=4, rollout=rlk
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def wait_for(condition, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from fsdp_models import adamw, fsdp1, fsdp2, net
 from torch import nn
 
-import rlkit
 from rlkit import diagnostics as dx
 from rlkit.data.batch import Batch
 from rlkit.diagnostics.agreement import outliers
@@ -22,9 +21,8 @@ WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=WORLD, device="cpu") as c:
-        yield c
+def cluster(cpu_cluster):
+    return cpu_cluster  # the session's (tests/conftest.py)
 
 
 # -- no workers ---------------------------------------------------------------------------------

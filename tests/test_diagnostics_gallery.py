@@ -11,7 +11,6 @@ import torch
 from fsdp_models import Block, D, adamw, fsdp1, fsdp2, net
 from torch import nn
 
-import rlkit
 from rlkit import diagnostics as dx
 from rlkit.runtime import context
 
@@ -181,9 +180,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2, device="cpu") as c:
-        yield c
+def cluster(cpu_cluster):
+    return cpu_cluster  # the session's (tests/conftest.py)
 
 
 @pytest.mark.timeout(120)

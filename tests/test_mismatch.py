@@ -62,11 +62,10 @@ def engine_in(dtype_name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trainer():
-    with rlkit.launch(world_size=2) as cluster:
-        rollout, optim = rlkit.RolloutConfig(max_new_tokens=8), rlkit.OptimConfig(lr=2e-3)
-        config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=8, group_size=4, optim=optim, rollout=rollout)
-        yield rlkit.Trainer(cluster, config)
+def trainer(cluster):
+    rollout, optim = rlkit.RolloutConfig(max_new_tokens=8), rlkit.OptimConfig(lr=2e-3)
+    config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=8, group_size=4, optim=optim, rollout=rollout)
+    return rlkit.Trainer(cluster, config)
 
 
 @pytest.mark.timeout(240)

@@ -90,12 +90,6 @@ def model_dir(tmp_path_factory) -> str:
     return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def assert_weights_close(got: dict, expected: dict, label: str) -> None:
     assert got.keys() == expected.keys()
     for name, ref in expected.items():

@@ -64,12 +64,6 @@ def sharded_step(fsdp: dict, padding_free: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def reference():
     return reference_step()
 

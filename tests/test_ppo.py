@@ -34,12 +34,6 @@ METRICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def critic_weights() -> dict[str, torch.Tensor]:
     """On a worker: the critic's full weights (a collective)."""
     from rlkit.fsdp import iter_full_params

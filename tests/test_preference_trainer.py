@@ -12,12 +12,6 @@ LEARNING = dict(model="tiny", batch_size=16, micro_batch_size=8, beta=0.5, optim
 """The settings of notebooks/07_dpo.ipynb: the accuracy on the shipped pairs goes from 0 to about 0.85 in 40 steps."""
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def has_preference_worker() -> bool:
     """On a worker: whether a PreferenceWorker was ever built on this rank."""
     from rlkit.runtime import context

@@ -123,12 +123,6 @@ def model_dir(tmp_path_factory) -> str:
     return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def noise_level(reference: list[dict], step: int) -> dict[str, torch.Tensor]:
     """Per entry, the smallest |gradient| of the reference's steps so far: an entry whose gradient was float noise
     in any of them may differ by up to 2 lr per step (see role_runs.TINY_GRAD)."""

@@ -129,3 +129,43 @@ def test_flat_buckets_lay_out_every_tensor_for_rebuilding():
     for name, tensor in weights:
         assert rebuilt[name].dtype == torch.bfloat16
         assert torch.equal(rebuilt[name], tensor.to(torch.bfloat16)), name
+
+
+def test_the_reaper_removes_what_a_killed_process_left_and_nothing_after_a_release(tmp_path):
+    """A process that dies by SIGKILL (no cleanup of its own) leaves a child running and a folder behind: its reaper
+    kills the one and deletes the other; a released reaper touches nothing."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = """if True:
+        import json, os, signal, subprocess, sys, psutil
+        from rlkit.rollout.reaper import Reaper
+        released, folder = sys.argv[1] == "release", sys.argv[2]
+        os.makedirs(folder)
+        child = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        reaper = Reaper()
+        reaper.watch([psutil.Process(child.pid)], [folder])
+        if released:
+            reaper.release()
+        print(json.dumps({"child": child.pid, "reaper": reaper.pid}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    for mode in ("kill", "release"):
+        folder = tmp_path / mode
+        done = subprocess.run([sys.executable, "-c", script, mode, str(folder)], capture_output=True, text=True)
+        pids = json.loads(done.stdout)
+        child = psutil.Process(pids["child"]) if psutil.pid_exists(pids["child"]) else None
+        try:
+            deadline = time.monotonic() + 20
+            while psutil.pid_exists(pids["reaper"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not psutil.pid_exists(pids["reaper"]), "the reaper did not exit"
+            gone = child is None or not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+            assert gone == (mode == "kill") and folder.exists() == (mode == "release"), mode
+        finally:
+            if child is not None and child.is_running():
+                child.kill()

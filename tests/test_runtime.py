@@ -257,6 +257,7 @@ QUIET = [
     "/usr/lib/python3.11/site-packages/vllm/x.py:138: FutureWarning: `reduce_op` is deprecated",
     "  if hasattr(value, '__dict__'):",
     "W1202 06:32:24.488000 27818 torch/_library/triton.py:53] Triton not available",
+    "[rank0]:W1202 10:20:08.851000 8264 torch/_library/triton.py:53] Triton not available, find_triton_kernels = []",
     "Loading safetensors checkpoint shards:   0% Completed\rLoading safetensors checkpoint shards: 100% Completed",
 ]
 """Worker lines that stay in the rank log: vLLM's own log lines, rlkit's info notes, a library's warning with

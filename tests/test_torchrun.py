@@ -5,11 +5,14 @@ and status work as the other backends'; a rank that dies is named; the store cha
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pandas as pd
@@ -36,6 +39,8 @@ def torchrun(*args: str, monitor_interval: float = 0.1, timeout: float = 240) ->
 
 def test_store_channel_writes_large_messages_in_chunks_and_removes_them(monkeypatch):
     monkeypatch.setattr(store_channel, "CHUNK_BYTES", 10)
+    monkeypatch.setenv(store_channel.SECRET_VARIABLE, "the ranks' secret")
+    store_channel.secret.cache_clear()
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.PrefixStore("t/", dist.TCPStore("127.0.0.1", server.port, is_master=False))
     parts = [b"x" * 25, b"", bytes(range(10))]
@@ -46,6 +51,43 @@ def test_store_channel_writes_large_messages_in_chunks_and_removes_them(monkeypa
     assert not store.check(["m"]) and not any(store.check([f"m/0/{i}"]) for i in range(3))
     store_channel.put_object(store, "o", ("call", 1))
     assert store_channel.get_object(store, "o", delete=True) == ("call", 1) and not store.check(["o"])
+    store_channel.secret.cache_clear()
+
+
+def test_store_channel_refuses_what_the_ranks_did_not_sign(monkeypatch, tmp_path, caplog):
+    """A message signed with another secret, or a bare pickle, is never unpickled: it is refused, logged and deleted,
+    and the reader takes the signed message that comes next under the same key."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore("t/", dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    monkeypatch.setenv(store_channel.SECRET_VARIABLE, "another secret")
+    store_channel.secret.cache_clear()
+    store_channel.put_object(store, "in/1/0", ("call", "forged"))
+    monkeypatch.setenv(store_channel.SECRET_VARIABLE, "the ranks' secret")
+    store_channel.secret.cache_clear()
+    try:
+        with pytest.raises(store_channel.Unsigned, match="signature does not match"):
+            store_channel._read_signed(store, "in/1/0")
+        store_channel.remove(store, "in/1/0")
+        store.set("in/1/0/0/0", pickle.dumps(Touch(tmp_path / "pwned")))  # what the channel wrote before signing
+        store.set("in/1/0", pickle.dumps([1]))
+        writer = dist.PrefixStore("t/", dist.TCPStore("127.0.0.1", server.port, is_master=False))  # its own link
+        threading.Timer(1.0, store_channel.put_object, (writer, "in/1/0", ("call", "signed"))).start()
+        with caplog.at_level(logging.WARNING, logger="rlkit.runtime.store_channel"):
+            assert store_channel.get_object(store, "in/1/0", delete=True) == ("call", "signed")
+        assert not (tmp_path / "pwned").exists(), "the forged pickle ran"
+        assert any("refused a message" in r.getMessage() for r in caplog.records)
+    finally:
+        store_channel.secret.cache_clear()
+
+
+class Touch:
+    """Unpickling it creates ``path``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
 
 
 @pytest.mark.timeout(120)
@@ -62,6 +104,8 @@ def test_calls_errors_hangs_and_status_through_the_torchrun_backend(tmp_path):
     assert seen["error"].startswith("rank 1 (host") and "ValueError: rank 1 says no" in seen["error"]
     assert seen["hung"]["ranks"] == [1] and not seen["hung"]["broken"] and "time.sleep(600)" in seen["hung"]["stack"]
     assert seen["after_hang"] == [0, 1], "the cluster was not usable after the hung call was cancelled"
+    assert seen["forgery_refused"] and not seen["pwned"], "rank 1 ran an unsigned pickle from torchrun's store"
+    assert seen["after_forgery"] == [0, 1] and "refused a message in torchrun's store" in done.stdout + done.stderr
     assert [s["alive"] for s in seen["status"]] == [True, True]
     assert seen["exposed"] == [], f"rank processes listen beyond loopback: {seen['exposed']}"
 

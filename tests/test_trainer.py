@@ -9,12 +9,6 @@ from rlkit.data.rewards import RewardError
 TINY = dict(model="tiny", seed=0, prompts_per_step=8, group_size=8, rollout=rlkit.RolloutConfig(max_new_tokens=6))
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def full_weights(role: str) -> dict[str, torch.Tensor]:
     """On a worker: the actor's gathered full weights (or the rollout engine's own), by name."""
     from torch.distributed.tensor import DTensor

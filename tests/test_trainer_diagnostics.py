@@ -39,13 +39,12 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trainer(model_dir):
-    with rlkit.launch(world_size=2, device="cpu") as cluster:
-        config = rlkit.GRPOConfig(model=str(model_dir), seed=0, prompts_per_step=4, group_size=2, kl_coef=0.01,
-                                  rollout=rlkit.RolloutConfig(max_new_tokens=4))
-        prompts = [{"prompt": f"{a}+{a}="} for a in range(8)]
-        yield rlkit.Trainer(cluster, config, prompts=prompts,
-                            reward_fn=lambda prompts, completions: [float(len(c)) for c in completions])
+def trainer(model_dir, cpu_cluster):
+    config = rlkit.GRPOConfig(model=str(model_dir), seed=0, prompts_per_step=4, group_size=2, kl_coef=0.01,
+                              rollout=rlkit.RolloutConfig(max_new_tokens=4))
+    prompts = [{"prompt": f"{a}+{a}="} for a in range(8)]
+    return rlkit.Trainer(cpu_cluster, config, prompts=prompts,
+                         reward_fn=lambda prompts, completions: [float(len(c)) for c in completions])
 
 
 def engine_bytes(model_dir) -> int:

@@ -3,6 +3,7 @@ weight sync after an update, a skipped sync caught by the log-prob gap, GRPO ste
 
 import importlib.util
 import logging
+import os
 
 import psutil
 import pytest
@@ -261,3 +262,55 @@ def test_replacing_the_trainer_and_shutting_down_free_the_engines(cluster, train
     cluster.shutdown()
     leftover = [pid for pids in new for pid in pids if alive(pid)]
     assert not leftover, f"engine processes {leftover} outlived the cluster"
+
+
+ORPHAN_CONTROLLER = """if True:
+    import json, os, sys, time
+    import rlkit
+
+    def engine_state():
+        from rlkit.rollout.vllm import _shared_memory_files
+        from rlkit.runtime import local_instance
+        from rlkit.workers import PolicyWorker
+
+        engine = local_instance(PolicyWorker).engine
+        paths = [str(engine._scratch), *sorted(_shared_memory_files(engine._processes))]
+        return {"worker": os.getpid(), "engine": [p.pid for p in engine._processes], "paths": paths}
+
+    if __name__ == "__main__":
+        cluster = rlkit.launch(world_size=2)
+        rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=4, group_size=4,
+                                                rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6)))
+        print(json.dumps(cluster.run(engine_state)), flush=True)
+        time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_controller_leaves_no_engine_process_or_shared_memory(tmp_path):
+    """The kernel dies (SIGKILL: no cleanup of its own): its workers die by their parent-death signal, and their vLLM
+    engines' processes, weight scratch folders and shared-memory segments go with them within a bounded time."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    controller = subprocess.Popen([sys.executable, "-c", ORPHAN_CONTROLLER], stdout=subprocess.PIPE, text=True,
+                                  cwd=tmp_path)  # fmt: skip
+    try:
+        ranks = json.loads(controller.stdout.readline())
+    finally:
+        controller.send_signal(signal.SIGKILL)
+        controller.wait()
+    pids = [pid for rank in ranks for pid in [rank["worker"], *rank["engine"]]]
+    paths = [path for rank in ranks for path in rank["paths"]]
+    assert all(rank["engine"] for rank in ranks) and any(p.startswith("/dev/shm/") for p in paths), ranks
+    deadline = time.monotonic() + 30
+    while (any(alive(pid) for pid in pids) or any(os.path.exists(p) for p in paths)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:  # leave nothing behind on a failure either
+        psutil.Process(pid).kill()
+    assert not left, f"processes {left} outlived the controller by 30 s"
+    assert not [p for p in paths if os.path.exists(p)], "shared memory outlived the controller"

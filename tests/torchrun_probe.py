@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_torchrun.py: ``torchrun --standalone --nproc_per_node=2 tests/torchrun_probe.py
 OUT.json [die]``. Rank 0 drives a cluster of both ranks through the torchrun backend and writes what it saw to
-OUT.json; with "die", rank 1 kills itself in the middle of a call instead. Rank 1 acts as if it ran on another
+OUT.json (a forged, unsigned call to rank 1 included); with "die", rank 1 kills itself in the middle of a call
+instead. Rank 1 acts as if it ran on another
 node (it does not see the controller's shared memory), so its tensors travel through torchrun's store while
 rank 0's travel in shared-memory files."""
 
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,31 @@ def die_on_rank_1() -> None:
     time.sleep(30)
 
 
+class Touch:
+    """Unpickling it creates ``path``: what anyone reaching torchrun's store could run on a rank, unsigned."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def forge_a_call_to_rank_1(cluster: Cluster, pwned: Path) -> bool:
+    """Write, as someone who reaches MASTER_PORT and knows the run id but not the secret, a pickle under the key
+    rank 1 reads its next call from; True once rank 1 has refused (deleted) it, within 10 s."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    run = f"{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    forger = dist.PrefixStore(f"rlkit/{run}/", store)
+    key = f"in/1/{cluster._backend._sent[1]}"
+    forger.set(f"{key}/0/0", pickle.dumps(Touch(pwned)))  # type: ignore[arg-type]
+    forger.set(key, pickle.dumps([1]))  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+    while forger.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not forger.check([key])
+
+
 def probe(cluster: Cluster) -> dict:
     seen: dict = {"world_size": cluster.world_size, "device": cluster.device}
     seen["ranks"] = cluster.run(lambda: (context().rank, context().world_size, os.getpid()))
@@ -64,6 +92,10 @@ def probe(cluster: Cluster) -> dict:
     except WorkerHung as exc:
         seen["hung"] = {"ranks": exc.ranks, "broken": exc.cluster_broken, "stack": exc.stacks[1]}
     seen["after_hang"] = cluster.run(lambda: context().rank)
+    pwned = Path(f"{sys.argv[1]}.pwned")
+    seen["forgery_refused"] = forge_a_call_to_rank_1(cluster, pwned)
+    seen["pwned"] = pwned.exists()
+    seen["after_forgery"] = cluster.run(lambda: context().rank)
     status = cluster.status()
     seen["status"] = status[["rank", "alive", "device"]].to_dict("records")
     seen["exposed"] = sorted(map(list, beyond_loopback(listening(status["pid"].tolist()))))

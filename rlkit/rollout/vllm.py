@@ -6,8 +6,9 @@ mode would join the worker's torch.distributed group and hang. So the actor's we
 process boundary (:mod:`rlkit.rollout.vllm_weights`): on GPU through flat device buffers shared
 once by CUDA IPC, on CPU as safetensors files in a per-rank scratch folder (tmpfs when it has
 room). Either way the engine's worker (:mod:`rlkit.rollout.vllm_worker`) loads them in place
-without restarting. Whether they arrived shows in the trainer's log-prob gap metric (rollout vs
-trainer log-probs of the same tokens), on the rows ``rollout.engine_logprobs`` picks. With
+without restarting. The engine's processes, the scratch folder and vLLM's shared memory go with the worker
+however it ends (:mod:`rlkit.rollout.reaper`). Whether they arrived shows in the trainer's log-prob gap
+metric (rollout vs trainer log-probs of the same tokens), on the rows ``rollout.engine_logprobs`` picks. With
 ``rollout.tensor_parallel_size`` > 1 one engine spans a group of ranks' devices
 (:mod:`rlkit.rollout.tp_group`): its workers each load their shard of every weight from the same
 files or buffers.
@@ -31,6 +32,7 @@ import torch
 from rlkit.config import LoraConfig
 from rlkit.models.lora import save_adapter
 from rlkit.rollout.base import Generation, SamplingParams, logprob_prompts
+from rlkit.rollout.reaper import Reaper
 from rlkit.rollout.sleep import SleepPolicy
 from rlkit.rollout.vllm_weights import SharedWeights, write_files
 
@@ -106,8 +108,10 @@ class VLLMEngine:
         if device.type == "cpu" and kv_cache_gb == 0:
             kv_cache_gb = CPU_KV_CACHE_GB
         self._scratch = Path(tempfile.mkdtemp(prefix="rlkit-vllm-weights-", dir=_scratch_root(model_dir)))
+        self._reaper = Reaper()  # removes the engine's processes and files if this worker dies without close()
+        self._reaper.watch(paths=[self._scratch])
         others = _vllm_processes()
-        with _engine_environment(device, gpus, tensor_parallel_size), _removed_on_error(self._scratch):
+        with _engine_environment(device, gpus, tensor_parallel_size), _removed_on_error(self._scratch, self._reaper):
             self.llm: Any = LLM(
                 model=str(model_dir),
                 tensor_parallel_size=tensor_parallel_size,
@@ -129,6 +133,7 @@ class VLLMEngine:
                 **lora,
             )
         self._processes = [p for p in _vllm_processes() if p not in others]
+        self._reaper.watch(self._processes, _shared_memory_files(self._processes))
         if device.type == "cpu":
             logger.info(
                 "vLLM has no sleep mode on %s: the engine keeps its weights and KV cache while the actor trains", device
@@ -259,6 +264,7 @@ class VLLMEngine:
                 Path(path).unlink(missing_ok=True)
             if left:
                 logger.info("removed %d shared-memory files the engine's processes left", len(left))
+        self._reaper.release()
 
     def _wake(self, *tags: str) -> None:
         """Wake the named memory pools; weights are woken before the KV cache. Blocks this process's
@@ -330,12 +336,13 @@ def _scratch_root(model_dir: Path) -> str | None:
 
 
 @contextmanager
-def _removed_on_error(folder: Path):
-    """Delete ``folder`` if the block raises."""
+def _removed_on_error(folder: Path, reaper: Reaper):
+    """Delete ``folder`` (and release ``reaper``: nothing left to watch) if the block raises."""
     try:
         yield
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
+        reaper.release()
         raise
 
 

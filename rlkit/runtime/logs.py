@@ -34,7 +34,7 @@ _DONE_RE = re.compile(re.escape(DONE_MARKER) + r"(\d+)\n?")
 QUIET_LINES = re.compile(
     r"^(\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \["  # vLLM's log format
     r"|^(DEBUG|INFO) rlkit[\w.]*: "  # rlkit's own progress notes on the worker (warnings still come through)
-    r"|^\[?[IW]\d{4} \d\d:\d\d:\d\d\.\d+"  # torch's C++ and glog-style info and warnings
+    r"|^(\[rank\d+\]:)?\[?[IW]\d{4} \d\d:\d\d:\d\d\.\d+"  # torch's glog-style lines ([rankN]: once distributed)
     r"|^\S*/(site-packages|lib/python3\.\d+)/\S+\.py:\d+: \w*Warning: "  # a library's Python warning
     r"|^\s*$"
 )

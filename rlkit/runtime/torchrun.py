@@ -18,7 +18,8 @@ restarting them (rlkit does not resume by itself: use checkpoints), and each ran
 terminal, or ``--log-dir``; worker log lines carry ``[rank N]``). When all ranks are on one node,
 gloo's and NCCL's sockets are put on the loopback interface (unless GLOO_SOCKET_IFNAME or
 NCCL_SOCKET_IFNAME is set), so rlkit opens nothing beyond loopback; torchrun's store listens where
-torchrun puts it, without a secret.
+torchrun puts it, without a secret, so rlkit signs every message it puts there and refuses any that is not
+signed (:mod:`rlkit.runtime.store_channel`; across nodes, set ``RLKIT_TORCHRUN_SECRET`` on every node).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def run_controller(
     finally:
         served.set()
     thread.join()
+    if not os.environ.get(store_channel.SECRET_VARIABLE):  # every rank was told to leave: no one reads it again
+        store_channel.secret_file().unlink(missing_ok=True)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
