@@ -107,12 +107,6 @@ def model_dir(tmp_path_factory) -> str:
     return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("version,checkpointing", [(2, False), (2, True), (1, True)])
 def test_lora_update_equals_one_process_peft_reference(cluster, model_dir, version, checkpointing):

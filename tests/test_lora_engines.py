@@ -32,12 +32,6 @@ def lora_config(engine: str, sync: str) -> rlkit.GRPOConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with rlkit.launch(world_size=2) as c:
-        yield c
-
-
 def skip_syncs(skip: bool) -> None:
     """On a worker: make weight syncs do nothing (skip=True) or restore them (and sync)."""
     from rlkit.runtime import local_instance
