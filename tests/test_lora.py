@@ -1,8 +1,6 @@
 """LoRA: the sharded update on 2 gloo workers against a one-process peft reference, the reference policy with the
 adapters off, merged weights, the binding checks."""
 
-import dataclasses
-
 import pytest
 import torch
 from role_runs import rank_share, save_model_dir
@@ -18,7 +16,7 @@ pytest.importorskip("peft")
 LORA = rlkit.LoraConfig(rank=4, alpha=8.0)
 
 
-def config(version: int, **lora) -> rlkit.GRPOConfig:
+def config(version: int, checkpointing: bool = False) -> rlkit.GRPOConfig:
     return rlkit.GRPOConfig(
         clip_eps=CLIP,
         kl_coef=KL,
@@ -26,8 +24,8 @@ def config(version: int, **lora) -> rlkit.GRPOConfig:
         rollout=rlkit.RolloutConfig(max_new_tokens=WIDTH),
         data=rlkit.DataConfig(max_prompt_tokens=6),
         optim=rlkit.OptimConfig(lr=LR, max_grad_norm=0.5),
-        fsdp=rlkit.FSDPConfig(version=version),
-        lora=dataclasses.replace(LORA, **lora),
+        fsdp=rlkit.FSDPConfig(version=version, activation_checkpointing=checkpointing),
+        lora=LORA,
     )
 
 
@@ -61,7 +59,7 @@ def reference_update() -> dict:
     return {"loss": loss.item(), "grads": grads, "adapters": {n: p.detach().clone() for n, p in trained.items()}}
 
 
-def sharded_update(model_dir: str, version: int) -> dict:
+def sharded_update(model_dir: str, version: int, checkpointing: bool) -> dict:
     """On a worker: rlkit's PolicyWorker with LoRA from the same adapters, half the batch on this rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
@@ -71,7 +69,7 @@ def sharded_update(model_dir: str, version: int) -> dict:
     from rlkit.models.lora import is_adapter_param
     from rlkit.workers import PolicyRows, PolicyWorker
 
-    worker = PolicyWorker(config(version), model_dir)
+    worker = PolicyWorker(config(version, checkpointing), model_dir)
     model = worker.actor.model
     set_model_state_dict(model, start_adapters(), options=StateDictOptions(full_state_dict=True, strict=False))
     before = {n: t for n, t in iter_full_params(model) if not is_adapter_param(n)}
@@ -110,12 +108,12 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("version", [2, 1])
-def test_lora_update_equals_one_process_peft_reference(cluster, model_dir, version):
+@pytest.mark.parametrize("version,checkpointing", [(2, False), (2, True), (1, True)])
+def test_lora_update_equals_one_process_peft_reference(cluster, model_dir, version, checkpointing):
     ref = reference_update()
     base = small_model()
     batch = make_batch()
-    for rank, got in enumerate(cluster.run(sharded_update, model_dir, version)):
+    for rank, got in enumerate(cluster.run(sharded_update, model_dir, version, checkpointing)):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
         assert got["adapters"].keys() == ref["adapters"].keys()
         for name, want in ref["adapters"].items():
@@ -165,6 +163,15 @@ def test_target_lists_that_bind_nothing_or_some_layers_are_errors_naming_what_ma
         bind(model, rlkit.LoraConfig(rank=2, target_modules=["layers.0.self_attn.q_proj"]))
     with pytest.raises(ValueError, match="not linear layers"):
         bind(model, rlkit.LoraConfig(rank=2, target_modules=["embed_tokens"]))
+
+
+def test_adapter_sync_needs_adapters_and_nothing_trained_whole():
+    with pytest.raises(rlkit.ConfigError) as err:
+        rlkit.GRPOConfig(rollout=rlkit.RolloutConfig(lora_sync="adapter"),
+                         lora=rlkit.LoraConfig(rank=4, modules_to_save=["lm_head"]))  # fmt: skip
+    assert "lora.modules_to_save=['lm_head']" in str(err.value)
+    with pytest.raises(rlkit.ConfigError, match="without adapters"):
+        rlkit.GRPOConfig(rollout=rlkit.RolloutConfig(lora_sync="adapter"))
 
 
 def test_a_target_list_matching_nothing_is_reported_before_launch():

@@ -11,6 +11,7 @@ import rlkit
 
 pytest.importorskip("peft")
 GAP_LIMIT = 1e-3
+LEARNING_STEPS, LEARNING_GAIN = 20, 0.15
 """Warning threshold: an fp32 engine and actor on the same weights agree to ~1e-6."""
 NO_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 ENGINES = [("hf", "merged"), ("hf", "adapter"), pytest.param("vllm", "adapter", marks=NO_VLLM)]
@@ -21,12 +22,12 @@ hf-merged checks; bench/lora_sync.py runs it (minutes on 2 cores, too slow for C
 def lora_config(engine: str, sync: str) -> rlkit.GRPOConfig:
     return rlkit.GRPOConfig(
         model="tiny",
-        prompts_per_step=4,
+        prompts_per_step=2,
         group_size=4,
         kl_coef=0.01,
         optim=rlkit.OptimConfig(lr=5e-3),
         lora=rlkit.LoraConfig(rank=8, alpha=32),
-        rollout=rlkit.RolloutConfig(engine=engine, lora_sync=sync, max_new_tokens=6, max_logprob_gap=GAP_LIMIT,
+        rollout=rlkit.RolloutConfig(engine=engine, lora_sync=sync, max_new_tokens=5, max_logprob_gap=GAP_LIMIT,
                                     engine_logprobs=1.0),  # fmt: skip
     )
 
@@ -154,3 +155,14 @@ def check_views(trainer: rlkit.Trainer) -> None:
     assert "reference" not in set(trainer.sharding().totals["role"])  # the base with adapters off: no copy
     units = trainer.grad_norms().units
     assert units["global"].gt(0).any() and trainer.grad_norms().global_norm > 0
+
+
+@pytest.mark.timeout(600)
+def test_tiny_model_learns_the_bundled_task_with_lora(cluster):
+    config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=16, group_size=8, kl_coef=0.01,
+                              rollout=rlkit.RolloutConfig(max_new_tokens=8), optim=rlkit.OptimConfig(lr=5e-3),
+                              lora=rlkit.LoraConfig(rank=8, alpha=16))  # fmt: skip
+    history = rlkit.Trainer(cluster, config).fit(steps=LEARNING_STEPS, progress=False)
+    first, last = history["reward/mean"].head(5).mean(), history["reward/mean"].tail(5).mean()
+    assert last > first + LEARNING_GAIN, f"mean reward went {first:.3f} -> {last:.3f}"
+    assert (history["rollout/logprob_gap/max"] < 1e-3).all(), "engine and trainer log-probs disagree"

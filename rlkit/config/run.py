@@ -242,7 +242,7 @@ class RLConfig:
         )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
-        nested += self._correction_problems() + self.lora.problems()
+        nested += self._correction_problems() + self.lora.problems() + self._lora_sync_problems()
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _recompute_problems(self) -> list[str]:
@@ -303,6 +303,20 @@ class RLConfig:
         need(p, self.loss_agg in LOSS_AGG_MODES, f'loss_agg="{self.loss_agg}": use one of {LOSS_AGG_MODES}')
         for name in ("sapo_tau_pos", "sapo_tau_neg"):
             need(p, getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0 (SAPO: 1.0 and 1.05)")
+        return p
+
+    def _lora_sync_problems(self) -> list[str]:
+        """``rollout.lora_sync="adapter"`` sends LoRA matrices alone: adapters must exist and nothing train whole."""
+        p: list[str] = []
+        if self.rollout.lora_sync != "adapter":
+            return p
+        need(p, self.lora.enabled, 'rollout.lora_sync="adapter" without adapters: set lora.rank > 0 or use "merged"')
+        need(
+            p,
+            not self.lora.modules_to_save,
+            f'rollout.lora_sync="adapter" with lora.modules_to_save={self.lora.modules_to_save}: an engine\'s LoRA '
+            'adapter holds low-rank matrices only; use rollout.lora_sync="merged"',
+        )
         return p
 
     def _correction_problems(self) -> list[str]:
