@@ -209,3 +209,14 @@ def test_memory_estimate_fits_7b_and_8b_on_one_device_with_lora_not_without(shap
     # full fine-tuning holds fp32 parameters, gradients, AdamW state and a reference copy: 20 bytes a parameter
     assert full.phases["update"]["parameters"] * GiB == pytest.approx(8 * model.num_parameters, abs=1)
     assert full.peak_gib - lora.peak_gib > 100
+
+
+@pytest.mark.parametrize("prompts", [1, 2, 7, 64])
+def test_vllm_keeps_one_prompts_log_probs_with_adapters_when_none_are_asked_for(prompts):
+    from rlkit.rollout.base import logprob_prompts
+    from rlkit.rollout.build import logprob_fraction
+
+    assert logprob_prompts(prompts, logprob_fraction(0.0, True, max_num_seqs=64 * 8)).sum() == 1
+    assert logprob_prompts(prompts, logprob_fraction(0.0, False, max_num_seqs=64 * 8)).sum() == 0
+    asked = logprob_prompts(prompts, logprob_fraction(0.125, True, max_num_seqs=64 * 8))
+    assert torch.equal(asked, logprob_prompts(prompts, 0.125))

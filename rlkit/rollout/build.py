@@ -54,7 +54,7 @@ def build_engine(
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 kv_cache_gb=config.kv_cache_gb,
                 seed=seed,
-                logprob_fraction=config.engine_logprobs,
+                logprob_fraction=logprob_fraction(config.engine_logprobs, adapters is not None, max_num_seqs),
                 sleep=config.sleep,
                 trust_remote_code=trust_remote_code,
                 tensor_parallel_size=tp,
@@ -67,6 +67,13 @@ def build_engine(
     if adapters is not None:
         apply_lora(model, adapters)
     return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def logprob_fraction(engine_logprobs: float, adapters: bool, max_num_seqs: int) -> float:
+    """The share of prompts whose completions carry vLLM's log-probs: ``rollout.engine_logprobs``, and with LoRA
+    adapters at least one prompt's (the log-prob gap on it is the check that each sync reached the engine's
+    adapters, so it is kept even where no other gap is asked for); ``max_num_seqs`` bounds the prompts per call."""
+    return engine_logprobs if engine_logprobs > 0 or not adapters else 1 / max_num_seqs
 
 
 def _max_model_len(wanted: int, model_dir: Path) -> int:
