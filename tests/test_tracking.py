@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import struct
+import time
 
 import pandas as pd
 import pytest
@@ -95,6 +96,17 @@ def wandb_records(path):
             chunk = b""
 
 
+def finished_wandb_records(path, timeout=60.0):
+    """The run file's records once it holds its exit record: wandb-core's writer may still be flushing the file
+    after ``run.finish()`` has returned (seen under load: a file of only its 7-byte header)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
 def test_wandb_offline_run_directory(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
@@ -103,7 +115,7 @@ def test_wandb_offline_run_directory(tmp_path, monkeypatch):
     (tracker,) = run(["wandb"], tmp_path)
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     history, config = [], {}
-    for record in wandb_records(path):
+    for record in finished_wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
