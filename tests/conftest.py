@@ -71,6 +71,8 @@ def interrupt_after():
     for timer in timers:
         timer.cancel()
     signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="session")
 def _held_cluster() -> Iterator[dict]:
     """The session's shared cluster and the device it was asked for (filled by ``cluster``)."""
