@@ -8,6 +8,7 @@ given call, or make the loss infinite.
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -37,13 +38,13 @@ def plant(**env: str) -> None:
 
 def planted_loss(new, old, advantages, mask):
     """The plain policy-gradient surrogate, with the planted fault: "sleep" (1 s a call, after writing
-    STATE_DIR/started), "raise" at call STATE_AT, "inf" (an infinite loss, so non-finite gradients)."""
+    STATE_DIR/started-<call>), "raise" at call STATE_AT, "inf" (an infinite loss, so non-finite gradients)."""
     calls = int(os.environ.get("STATE_CALLS", "0")) + 1
     os.environ["STATE_CALLS"] = str(calls)
     fault = os.environ.get("STATE_FAULT", "")
     loss = -torch.exp(new - old) * advantages
     if fault == "sleep":
-        Path(os.environ["STATE_DIR"], "started").touch()
+        Path(os.environ["STATE_DIR"], f"started-{calls}").touch()
         time.sleep(1.0)
     if fault == "raise" and calls == int(os.environ["STATE_AT"]):
         raise ValueError(f"planted failure at loss call {calls}")
@@ -117,14 +118,14 @@ def test_stop_during_an_update_completes_it_first(cluster, tmp_path):
     before = cluster.run(full_weights, "actor")
     cluster.run(plant, STATE_FAULT="sleep", STATE_DIR=str(tmp_path))
 
-    def press_stop_once_the_update_runs():
-        while not (tmp_path / "started").exists():
+    def press_stop_in_the_second_mini_batch():  # after one optimizer step: the half-stepped case
+        while not (tmp_path / "started-2").exists():
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever disposition pytest inherited
     try:
-        presser = threading.Thread(target=press_stop_once_the_update_runs)
+        presser = threading.Thread(target=press_stop_in_the_second_mini_batch)
         presser.start()
         with pytest.raises(KeyboardInterrupt) as stopped:
             trainer.update(batch)
@@ -190,8 +191,14 @@ def test_a_second_trainer_replaces_the_first_which_is_refused_and_frees_a_critic
 
 @pytest.mark.timeout(300)
 def test_phases_by_hand_count_the_step_move_the_seeds_and_name_the_checkpoints(cluster, tmp_path, caplog):
-    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL))
-    first = ready_batch(trainer)
+    def by_length(prompts, completions, **fields):
+        return [len(c) % 3 / 2 for c in completions]
+
+    one_prompt = [{"prompt": "12+34="}] * 8  # so that only the sampling seeds can make two draws differ
+    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL), prompts=one_prompt, reward_fn=by_length)
+    drawn = trainer.rollout()
+    assert trainer.rollout().completions != drawn.completions, "a second draw reused the first one's sampling seeds"
+    first = trainer.advantages(trainer.score(drawn))
     trainer.update(first)
     assert trainer.steps_done == 1 and list(trainer.history["step"]) == [1]
     assert trainer.history["time/rollout"].iloc[0] > 0, "the hand-run rollout's time is not in its step's row"
@@ -199,7 +206,6 @@ def test_phases_by_hand_count_the_step_move_the_seeds_and_name_the_checkpoints(c
         trainer.update(first)
     assert "this batch already trained step 1" in caplog.text
     again = trainer.rollout()
-    assert again.completions != first.completions, "the second rollout reused the first one's sampling seeds"
     names = [trainer.save(tmp_path).name]
     trainer.update(trainer.advantages(trainer.score(again)))
     names.append(trainer.save(tmp_path).name)
@@ -207,14 +213,28 @@ def test_phases_by_hand_count_the_step_move_the_seeds_and_name_the_checkpoints(c
     assert sorted(p.name for p in tmp_path.iterdir()) == names
 
 
-def test_a_folder_is_replaced_by_renames_never_half_written(tmp_path):
-    final, partial = tmp_path / "step-000001", tmp_path / ".step-000001.partial-x"
-    final.mkdir()
-    (final / "old").write_text("old")
-    partial.mkdir()
-    (partial / "new").write_text("new")
-    replace_folder(partial, final)
-    assert [p.name for p in tmp_path.iterdir()] == ["step-000001"] and [p.name for p in final.iterdir()] == ["new"]
+def test_a_folder_is_replaced_by_renames_never_half_written(tmp_path, monkeypatch):
+    def folder(path: Path, text: str) -> Path:
+        path.mkdir()
+        for name in ("actor", "trainer.json"):
+            (path / name).write_text(text)
+        return path
+
+    def contents(path: Path) -> dict[str, str]:
+        return {p.name: p.read_text() for p in path.iterdir()}
+
+    final = folder(tmp_path / "step-000001", "old")
+    replace_folder(folder(tmp_path / ".step-000001.partial-a", "new"), final)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000001"] and contents(final)["actor"] == "new"
+
+    def killed_after_one_file(path):  # the process dies while the replaced folder is being removed
+        sorted(Path(path).iterdir())[0].unlink()
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(SystemExit):
+        replace_folder(folder(tmp_path / ".step-000001.partial-b", "newer"), final)
+    assert contents(final) == {"actor": "newer", "trainer.json": "newer"}, "the checkpoint is half-written"
 
 
 # -- 5. a non-finite gradient norm skips the optimizer step -----------------------------------------
