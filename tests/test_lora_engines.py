@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rlkit
+from tests.test_vllm import skip_syncs
 
 pytest.importorskip("peft")
 GAP_LIMIT = 1e-3
@@ -31,19 +32,6 @@ def lora_config(engine: str, sync: str) -> rlkit.GRPOConfig:
         rollout=rlkit.RolloutConfig(engine=engine, lora_sync=sync, max_new_tokens=5, max_logprob_gap=GAP_LIMIT,
                                     engine_logprobs=0.0 if engine == "vllm" else 1.0),  # fmt: skip
     )
-
-
-def skip_syncs(skip: bool) -> None:
-    """On a worker: make weight syncs do nothing (skip=True) or restore them (and sync)."""
-    from rlkit.runtime import local_instance
-    from rlkit.workers import PolicyWorker
-
-    worker = local_instance(PolicyWorker)
-    if skip:
-        worker.sync_engine = lambda: 0
-    else:
-        vars(worker).pop("sync_engine", None)
-        worker.sync_engine()
 
 
 def update_with_random_advantages(trainer: rlkit.Trainer) -> None:

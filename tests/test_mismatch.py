@@ -11,6 +11,7 @@ import rlkit
 from rlkit.data.batch import Batch
 from rlkit.diagnostics import mismatch_report
 from rlkit.diagnostics.rescore import PENALTY_GRID, Rescored, nucleus_logits, penalised_logits, seen_tokens
+from tests.test_vllm import skip_syncs
 
 CAUSES = {"sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens",
           "sampling: repetition_penalty", "stale weights", "dtype floor", "tokenisation"}  # fmt: skip
@@ -35,19 +36,6 @@ def plant_repetition_penalty(penalty: float | None) -> None:
         return generate(model, *args, logits_processor=processors, **kwargs)
 
     model.generate = penalised
-
-
-def skip_syncs(skip: bool) -> None:
-    """On a worker: weight syncs do nothing (skip=True); or restore them and sync now."""
-    from rlkit.runtime import local_instance
-    from rlkit.workers import PolicyWorker
-
-    worker = local_instance(PolicyWorker)
-    if skip:
-        worker.sync_engine = lambda: 0
-    else:
-        vars(worker).pop("sync_engine", None)
-        worker.sync_engine()
 
 
 def engine_in(dtype_name: str) -> None:

@@ -95,7 +95,7 @@ def sync() -> int:
 
 
 def skip_syncs(skip: bool) -> None:
-    """On a worker: make weight syncs do nothing (skip=True) or restore them."""
+    """On a worker: make weight syncs do nothing (skip=True), or restore them and sync now."""
     from rlkit.runtime import local_instance
     from rlkit.workers import PolicyWorker
 
@@ -104,6 +104,7 @@ def skip_syncs(skip: bool) -> None:
         worker.sync_engine = lambda: 0
     else:
         vars(worker).pop("sync_engine", None)
+        worker.sync_engine()
 
 
 def engine_processes() -> list[int]:
@@ -170,7 +171,6 @@ def test_skipped_sync_is_flagged_by_the_logprob_gap(cluster, trainer, caplog):
             row = trainer.step()
     finally:
         cluster.run(skip_syncs, False)
-        cluster.run(sync)
     assert row["rollout/logprob_gap/mean"] > GAP_LIMIT
     assert any("rollout.max_logprob_gap" in r.getMessage() for r in caplog.records), "no gap warning"
     synced = trainer.rollout()
@@ -214,7 +214,6 @@ def test_mismatch_names_a_repetition_penalty_and_a_skipped_sync(cluster, trainer
         stale = trainer.mismatch()
     finally:
         cluster.run(skip_syncs, False)
-        cluster.run(sync)
     assert stale.causes == ["stale weights"], str(stale)
 
 
