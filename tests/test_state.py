@@ -143,6 +143,40 @@ def test_stop_during_an_update_completes_it_first(cluster, tmp_path):
     assert trainer.steps_done == 2
 
 
+@pytest.mark.timeout(240)
+def test_a_second_stop_abandons_the_update_and_the_trainer_asks_for_a_resume(cluster, tmp_path):
+    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL), policy_loss_fn=planted_loss)
+    trainer.step()
+    checkpoint = trainer.save(tmp_path / "ckpt")
+    batch = ready_batch(trainer)
+    cluster.run(plant, STATE_FAULT="sleep", STATE_DIR=str(tmp_path))
+
+    def press_stop_in_each_mini_batch():  # the second Stop comes after the first optimizer step
+        for call in (1, 2):
+            while not (tmp_path / f"started-{call}").exists():
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        presser = threading.Thread(target=press_stop_in_each_mini_batch)
+        presser.start()
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            trainer.update(batch)
+        presser.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "now needs a resume" in "".join(stopped.value.__notes__)
+    with pytest.raises(NeedsResume, match=f"rlkit.Trainer.resume\\(cluster, '{checkpoint}'\\)"):
+        trainer.rollout()
+    assert trainer.steps_done == 1
+    cluster.run(plant)
+    resumed = rlkit.Trainer.resume(cluster, checkpoint, policy_loss_fn=planted_loss)
+    resumed.step()
+    assert resumed.steps_done == 2
+    assert_engine_holds_the_actor(cluster)
+
+
 @pytest.mark.timeout(300)
 def test_a_failure_in_the_first_mini_batch_changes_nothing_one_in_the_second_asks_for_a_resume(cluster, tmp_path):
     trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL), policy_loss_fn=planted_loss)
