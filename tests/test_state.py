@@ -73,6 +73,30 @@ def ready_batch(trainer):
     return trainer.advantages(trainer.score(trainer.rollout()))
 
 
+def update_with_stops(trainer, batch, folder: Path, at_calls: list[int]) -> KeyboardInterrupt:
+    """``trainer.update(batch)`` with Stop pressed (SIGINT to this process) as the ranks begin each of the loss
+    calls ``at_calls`` (1 s each, planted); the KeyboardInterrupt it raised. Python's own SIGINT handler is set
+    for the call, whatever disposition pytest inherited."""
+    trainer.cluster.run(plant, STATE_FAULT="sleep", STATE_DIR=str(folder))
+
+    def press_stop():
+        for call in at_calls:
+            while not (folder / f"started-{call}").exists():
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        presser = threading.Thread(target=press_stop)
+        presser.start()
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            trainer.update(batch)
+        presser.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return stopped.value
+
+
 def assert_engine_holds_the_actor(cluster) -> None:
     actor, engine = cluster.run(full_weights, "actor"), cluster.run(full_weights, "engine")
     for rank in range(2):
@@ -116,23 +140,8 @@ def test_stop_during_an_update_completes_it_first(cluster, tmp_path):
     trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL), policy_loss_fn=planted_loss)
     batch = ready_batch(trainer)
     before = cluster.run(full_weights, "actor")
-    cluster.run(plant, STATE_FAULT="sleep", STATE_DIR=str(tmp_path))
-
-    def press_stop_in_the_second_mini_batch():  # after one optimizer step: the half-stepped case
-        while not (tmp_path / "started-2").exists():
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever disposition pytest inherited
-    try:
-        presser = threading.Thread(target=press_stop_in_the_second_mini_batch)
-        presser.start()
-        with pytest.raises(KeyboardInterrupt) as stopped:
-            trainer.update(batch)
-        presser.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert "update completed before the interrupt" in "".join(stopped.value.__notes__)
+    stopped = update_with_stops(trainer, batch, tmp_path, at_calls=[2])  # after one optimizer step
+    assert "update completed before the interrupt" in "".join(stopped.__notes__)
     assert trainer.steps_done == 1 and list(trainer.history["step"]) == [1]
     assert cluster.run(optimizer_state) == [{"begun": 2, "scheduled": 2}] * 2, "optimizer and schedule: 2 steps each"
     after = cluster.run(full_weights, "actor")
@@ -149,24 +158,8 @@ def test_a_second_stop_abandons_the_update_and_the_trainer_asks_for_a_resume(clu
     trainer.step()
     checkpoint = trainer.save(tmp_path / "ckpt")
     batch = ready_batch(trainer)
-    cluster.run(plant, STATE_FAULT="sleep", STATE_DIR=str(tmp_path))
-
-    def press_stop_in_each_mini_batch():  # the second Stop comes after the first optimizer step
-        for call in (1, 2):
-            while not (tmp_path / f"started-{call}").exists():
-                time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        presser = threading.Thread(target=press_stop_in_each_mini_batch)
-        presser.start()
-        with pytest.raises(KeyboardInterrupt) as stopped:
-            trainer.update(batch)
-        presser.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert "now needs a resume" in "".join(stopped.value.__notes__)
+    stopped = update_with_stops(trainer, batch, tmp_path, at_calls=[1, 2])  # the second after one optimizer step
+    assert "now needs a resume" in "".join(stopped.__notes__)
     with pytest.raises(NeedsResume, match=f"rlkit.Trainer.resume\\(cluster, '{checkpoint}'\\)"):
         trainer.rollout()
     assert trainer.steps_done == 1
