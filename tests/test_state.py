@@ -73,6 +73,23 @@ def ready_batch(trainer):
     return trainer.advantages(trainer.score(trainer.rollout()))
 
 
+def trainer_one_step_in(cluster, folder: Path):
+    """A trainer with the planted loss after one step, and the checkpoint it saved under ``folder``."""
+    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL), policy_loss_fn=planted_loss)
+    trainer.step()
+    return trainer, trainer.save(folder)
+
+
+def assert_a_resume_goes_on(cluster, checkpoint: Path) -> None:
+    """The fault off, ``Trainer.resume`` from ``checkpoint`` (after one step) takes the next step, and each
+    rank's engine holds its actor's weights."""
+    cluster.run(plant)
+    resumed = rlkit.Trainer.resume(cluster, checkpoint, policy_loss_fn=planted_loss)
+    resumed.step()
+    assert resumed.steps_done == 2
+    assert_engine_holds_the_actor(cluster)
+
+
 def update_with_stops(trainer, batch, folder: Path, at_calls: list[int]) -> KeyboardInterrupt:
     """``trainer.update(batch)`` with Stop pressed (SIGINT to this process) as the ranks begin each of the loss
     calls ``at_calls`` (1 s each, planted); the KeyboardInterrupt it raised. Python's own SIGINT handler is set
@@ -154,27 +171,19 @@ def test_stop_during_an_update_completes_it_first(cluster, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_second_stop_abandons_the_update_and_the_trainer_asks_for_a_resume(cluster, tmp_path):
-    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL), policy_loss_fn=planted_loss)
-    trainer.step()
-    checkpoint = trainer.save(tmp_path / "ckpt")
+    trainer, checkpoint = trainer_one_step_in(cluster, tmp_path / "ckpt")
     batch = ready_batch(trainer)
     stopped = update_with_stops(trainer, batch, tmp_path, at_calls=[1, 2])  # the second after one optimizer step
     assert "now needs a resume" in "".join(stopped.__notes__)
     with pytest.raises(NeedsResume, match=f"rlkit.Trainer.resume\\(cluster, '{checkpoint}'\\)"):
         trainer.rollout()
     assert trainer.steps_done == 1
-    cluster.run(plant)
-    resumed = rlkit.Trainer.resume(cluster, checkpoint, policy_loss_fn=planted_loss)
-    resumed.step()
-    assert resumed.steps_done == 2
-    assert_engine_holds_the_actor(cluster)
+    assert_a_resume_goes_on(cluster, checkpoint)
 
 
 @pytest.mark.timeout(300)
 def test_a_failure_in_the_first_mini_batch_changes_nothing_one_in_the_second_asks_for_a_resume(cluster, tmp_path):
-    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(**SMALL), policy_loss_fn=planted_loss)
-    trainer.step()
-    checkpoint = trainer.save(tmp_path / "ckpt")
+    trainer, checkpoint = trainer_one_step_in(cluster, tmp_path / "ckpt")
     batch = ready_batch(trainer)
     cluster.run(plant, STATE_FAULT="raise", STATE_AT="1")
     with pytest.raises(RemoteError, match="planted failure at loss call 1") as first:
@@ -189,11 +198,7 @@ def test_a_failure_in_the_first_mini_batch_changes_nothing_one_in_the_second_ask
         with pytest.raises(NeedsResume, match=f"rlkit.Trainer.resume\\(cluster, '{checkpoint}'\\)"):
             phase()
     assert trainer.steps_done == 1 and len(trainer.history) == 1
-    cluster.run(plant)
-    resumed = rlkit.Trainer.resume(cluster, checkpoint, policy_loss_fn=planted_loss)
-    resumed.step()
-    assert resumed.steps_done == 2
-    assert_engine_holds_the_actor(cluster)
+    assert_a_resume_goes_on(cluster, checkpoint)
 
 
 # -- 3. one trainer owns the roles on a cluster ----------------------------------------------------
