@@ -230,13 +230,13 @@ def penalised_copy_of_tiny(folder: Path) -> str:
     return str(copy)
 
 
-@pytest.mark.timeout(600)
 def test_engine_processes_listen_on_loopback_only(cluster, trainer):
     """vLLM's processes (its engine core and model worker, with their own gloo group) open ports on loopback only,
     like rlkit's own (tests/test_runtime_exposure.py)."""
+    from tests.test_runtime import _pids
     from tests.test_runtime_exposure import beyond_loopback, listening
 
-    workers = cluster.status().pid.tolist()
+    workers = _pids(cluster)
     engine = {p.pid: p.name() for w in workers for p in psutil.Process(w).children(recursive=True)
               if p.name().startswith("VLLM::")}  # fmt: skip
     sockets = listening(workers)
@@ -245,6 +245,7 @@ def test_engine_processes_listen_on_loopback_only(cluster, trainer):
     assert beyond_loopback(sockets) == set()
 
 
+@pytest.mark.timeout(600)
 def test_replacing_the_trainer_and_shutting_down_free_the_engines(cluster, trainer, tmp_path):
     """Also: the hf engine does not sample with the model directory's generation_config.json (here
     repetition_penalty 1.5, which put it 0.46 nats off the trainer on average); vLLM's is checked by the next test."""
