@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH="$ROOT:/tmp/site"
 # the commit the records name: t1 keeps the one bench/stage_wheels.sh wrote (the copy's git metadata is stale)
 [ -f .whl/run/COMMIT ] && cp .whl/run/COMMIT /tmp/rlkit-commit
-RLKIT_COMMIT=$(cat /tmp/rlkit-commit 2>/dev/null || true)
+RLKIT_COMMIT=${RLKIT_COMMIT:-$(cat /tmp/rlkit-commit 2>/dev/null || true)}
 export RLKIT_COMMIT
 
 item() {  # item NAME ESTIMATE_S COMMAND...: run COMMAND unless the call's budget cannot cover its estimate
@@ -160,6 +160,9 @@ plan() {  # the calls' items and estimates, and the totals
           printf "(compile-probe, mismatch) %.1f min; without verl too %.1f min\n", (total + start - opt) / 60, \
             (total + start - opt - per["v1"] - over) / 60 }'
 }
+
+# sourced (bench/lora_session.sh): the functions above only
+[[ "${BASH_SOURCE[0]}" != "$0" ]] && return 0
 
 case "${1:-}" in
   plan) plan ;;

@@ -197,3 +197,67 @@ def test_units_kept_gathered_give_the_same_bf16_gradients(tmp_path):
     assert kept.keys() == plain.keys() and plain["global norm"] > 0
     for name, value in plain.items():
         assert kept[name] == pytest.approx(value, rel=1e-3, abs=1e-12), name
+
+
+def adapter_dtypes() -> dict[str, list[str]]:
+    """On a worker: the dtypes of the policy's frozen base, adapters, their gradients and AdamW state."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    actor = local_instance(PolicyWorker).actor
+    model, optimizer = actor.model, actor.optimizer
+    trained = [p for p in model.parameters() if p.requires_grad]
+    state = [t for p in trained for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
+    return {
+        "base": sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}),
+        "adapters": sorted({str(p.dtype) for p in trained}),
+        "grads": sorted({str(p.grad.dtype) for p in trained if p.grad is not None}),
+        "adam": sorted({str(t.dtype) for t in state}),
+    }
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("version,checkpointing", [(2, False), (2, True), (1, True)])
+def test_lora_trains_with_the_gpu_dtypes(version, checkpointing):
+    """LoRA with a KL reference (the adapters off: the first forward FSDP sees) in bf16 compute: the base stays
+    bf16 and frozen, adapters, gradients and AdamW state are fp32, the policy moves and the engine follows it."""
+    config = rlkit.GRPOConfig(
+        model="tiny", prompts_per_step=16, group_size=8, kl_coef=0.01, optim=rlkit.OptimConfig(lr=5e-3),
+        rollout=rlkit.RolloutConfig(max_new_tokens=6),
+        fsdp=rlkit.FSDPConfig(version=version, activation_checkpointing=checkpointing),
+        lora=rlkit.LoraConfig(rank=8, alpha=16.0),
+    )  # fmt: skip
+    with rlkit.launch(world_size=1, device="cuda") as cluster:
+        trainer = rlkit.Trainer(cluster, config)
+        history = trainer.fit(3, progress=False)
+        dtypes = cluster.run(adapter_dtypes)[0]
+    assert dtypes == {"base": ["torch.bfloat16"], "adapters": ["torch.float32"], "grads": ["torch.float32"],
+                      "adam": ["torch.float32"]}  # fmt: skip
+    assert history["actor/grad_norm"].iloc[1:].gt(0).all()
+    assert history["kl/mean"].iloc[-1] > 0  # the adapters moved the policy away from the base
+    assert history["rollout/logprob_gap/mean"].max() < 0.05  # the hf engine follows the merged adapters
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+@pytest.mark.timeout(600)
+def test_vllm_adapter_sync_follows_the_adapters_and_a_skipped_sync_shows():
+    """rollout.lora_sync="adapter" on vLLM in bf16: the engine's log-probs match the trainer's after each sync, and
+    a skipped sync (the engine keeps the old adapter) shows in the gap."""
+    config = rlkit.GRPOConfig(
+        model="tiny", prompts_per_step=16, group_size=8, optim=rlkit.OptimConfig(lr=5e-3),
+        rollout=rlkit.RolloutConfig(engine="vllm", max_new_tokens=6, lora_sync="adapter", engine_logprobs=1.0),
+        lora=rlkit.LoraConfig(rank=8, alpha=16.0),
+    )  # fmt: skip
+    with rlkit.launch(world_size=1, device="cuda") as cluster:
+        trainer = rlkit.Trainer(cluster, config)
+        synced = trainer.fit(3, progress=False)
+        cluster.run(skip_syncs, True)
+        stale = trainer.fit(2, progress=False).iloc[-1]
+    synced_gap, stale_gap = synced["rollout/logprob_gap/mean"].max(), stale["rollout/logprob_gap/mean"]
+    print(f"LoRA adapter sync, log-prob gap: synced <= {synced_gap:.4f}, after a skipped sync {stale_gap:.4f}")
+    assert synced_gap < 0.05
+    assert stale_gap > 3 * synced_gap

@@ -108,7 +108,11 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
         model,
         auto_wrap_policy=CustomPolicy(own_unit),
         sharding_strategy=strategy,
-        mixed_precision=MixedPrecision(param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype]),
+        # LoRA: peft casts an adapter's input to its weight's dtype as seen outside the unit (the fp32 shard),
+        # then the unit gathers that weight in the compute dtype: the unit casts its inputs back
+        mixed_precision=MixedPrecision(
+            param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype], cast_forward_inputs=frozen
+        ),
         backward_prefetch=prefetch[config.backward_prefetch],
         cpu_offload=CPUOffload(offload_params=config.cpu_offload),
         device_id=device,

@@ -145,13 +145,21 @@ def has_adapters(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
-    """The base model, adapters off (and modules_to_save on their originals), for the ``with`` block."""
+    """The base model, adapters off (and modules_to_save on their originals), for the ``with`` block.
+
+    Which parameters train does not change: peft's switch also clears the adapters' ``requires_grad``, and FSDP2
+    takes its units' gradient dtypes from the parameters that train at its first forward, which is often this
+    block's (the KL reference's). Seeing none, it would reduce the adapters' bf16 gradients without casting them
+    back to fp32, and the backward fails."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import AuxiliaryTrainingWrapper
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
+    trained = [p for p in model.parameters() if p.requires_grad]
     for layer in layers:
         layer.enable_adapters(False)
+    for param in trained:
+        param.requires_grad_(True)
     try:
         yield
     finally:
