@@ -133,6 +133,69 @@ def test_lora_update_equals_one_process_peft_reference(cluster, model_dir, versi
                                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}  # fmt: skip
 
 
+
+def bf16_update(model_dir: str, version: int, reference_first: bool) -> dict:
+    """On a worker: the GPU's dtypes on gloo (a bf16 base, bf16 compute, fp32 adapters, fp32 reduction): optionally
+    the KL reference's pass (the adapters off) first, as a step does, then the update."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from rlkit.workers import PolicyRows, PolicyWorker
+
+    cfg = config(version)
+    cfg.fsdp.param_dtype = "bf16"
+    worker = PolicyWorker(cfg, model_dir)
+    model = worker.actor.model
+    set_model_state_dict(model, start_adapters(), options=StateDictOptions(full_state_dict=True, strict=False))
+    share = rank_share(make_batch())
+    if reference_first:
+        with worker.reference_model() as reference:
+            worker._scored_logprobs(reference, share["input_ids"], share["attention_mask"])
+    fields = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+    result = worker.update(PolicyRows(**{k: share[k] for k in fields}))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    state = [t for p in trained for t in worker.actor.optimizer.state[p].values() if t.dim() > 0]
+    worker.close()
+    return {
+        "norm": result.metrics["actor/grad_norm"],
+        "grads": [p.grad.full_tensor() for p in trained] if version == 2 else [],  # FSDP1's are flat views
+        "fsdp2_grad_dtypes": _fsdp2_grad_dtypes(model),
+        "dtypes": {
+            "base": {str(p.dtype) for p in model.parameters() if not p.requires_grad},
+            "adapters": {str(p.dtype) for p in trained},
+            "grads": {str(p.grad.dtype) for p in trained},
+            "adam": {str(t.dtype) for t in state},
+        },
+    }
+
+
+def _fsdp2_grad_dtypes(model: torch.nn.Module) -> set[str]:
+    """The dtypes FSDP2's units cast their reduced gradients to (what the GPU's backward assigns to the adapters):
+    torch 2.13 on CPU reaches the same state as torch 2.11 on CUDA but does not refuse the assignment, so the test
+    reads the state (a private attribute: FSDP2 has no public one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
+    return {str(g._orig_dtype) for g in groups if any(p.sharded_param.requires_grad for p in g.fsdp_params)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("version", [2, 1])
+def test_lora_in_the_gpus_dtypes_after_the_reference_pass(cluster, model_dir, version):
+    """What broke LoRA's first backward on the GPU: the step's first forward is the KL reference's, with the adapters
+    switched off. FSDP2 then saw no trained parameter and kept the adapters' gradients in bf16 (torch 2.11 on CUDA
+    refuses to assign them to the fp32 adapters; on CPU this shows in the state FSDP2 records), and FSDP1's adapter
+    units got fp32 inputs for bf16 weights. The reference pass must
+    change nothing: the gradient is the same with and without it, and every trained tensor stays fp32."""
+    plain, after_reference = (cluster.run(bf16_update, model_dir, version, first)[0] for first in (False, True))
+    assert after_reference["norm"] == pytest.approx(plain["norm"], rel=1e-6)
+    assert plain["norm"] > 0
+    for got, want in zip(after_reference["grads"], plain["grads"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert after_reference["fsdp2_grad_dtypes"] == ({"torch.float32"} if version == 2 else set())
+    fp32 = {"torch.float32"}
+    assert after_reference["dtypes"] == {"base": {"torch.bfloat16"}, "adapters": fp32, "grads": fp32, "adam": fp32}
+
 def test_merged_weights_give_the_adapted_models_outputs():
     model = small_model()
     apply_lora(model, LORA)
