@@ -67,7 +67,11 @@ def train(args: argparse.Namespace) -> int:
         world_size, config = _arguments(args)
         folder = prepare(config, args.resume)
         config = dataclasses.replace(config, output_dir=str(folder.path))
-        run = _checked(args, config, world_size)
+        with _together() as problems:
+            if folder.checkpoint is not None:
+                problems += checkpoints.resume_problems(folder.checkpoint, config)
+            with _together(problems):
+                run = _checked(args, config, world_size)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

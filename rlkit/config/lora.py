@@ -36,6 +36,10 @@ class LoraConfig:
         p: list[str] = []
         need(p, self.rank >= 0, f"{prefix}.rank={self.rank}: must be >= 0 (0 = full fine-tuning), e.g. 16")
         if not self.enabled:
+            set_ = [name for name in ("alpha", "dropout", "target_modules", "modules_to_save")
+                    if getattr(self, name) != getattr(LoraConfig(), name)]  # fmt: skip
+            need(p, not set_, f"{prefix}: {', '.join(set_)} set but {prefix}.rank is {self.rank}, which means no "
+                              f"LoRA (full fine-tuning): set {prefix}.rank (e.g. 16), or remove the [{prefix}] table")
             return p
         need(p, self.alpha > 0, f"{prefix}.alpha={self.alpha}: must be > 0, e.g. 2 * rank")
         need(p, 0 <= self.dropout < 1, f"{prefix}.dropout={self.dropout}: must be in [0, 1), 0 recommended for RL")

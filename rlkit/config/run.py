@@ -242,7 +242,7 @@ class RLConfig:
         )
         nested = self.rollout.problems() + self.optim.problems() + self.fsdp.problems() + self.checkpoint.problems()
         nested += self.data.problems() + self.validation.problems() + rewards_problems(self.rewards)
-        nested += self._correction_problems() + self.lora.problems() + self._lora_sync_problems()
+        nested += self._correction_problems() + self.lora.problems() + self._lora_problems()
         return p + nested + self.reward_model.problems() + trackers_problems(self.trackers)
 
     def _recompute_problems(self) -> list[str]:
@@ -305,9 +305,18 @@ class RLConfig:
             need(p, getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0 (SAPO: 1.0 and 1.05)")
         return p
 
-    def _lora_sync_problems(self) -> list[str]:
-        """``rollout.lora_sync="adapter"`` sends LoRA matrices alone: adapters must exist and nothing train whole."""
+    def _lora_problems(self) -> list[str]:
+        """``rollout.lora_sync="adapter"`` sends LoRA matrices alone: adapters must exist and nothing train whole. And
+        no adapter dropout: RL scores the same tokens several times (the engine, the old policy, the loss) and
+        compares them, so dropout would make an unchanged policy's ratio differ from 1 and the engine gap grow."""
         p: list[str] = []
+        critic = getattr(self, "critic", None)  # PPO's
+        for lora, prefix in ((self.lora, "lora"), (critic.lora if critic else None, "critic.lora")):
+            if lora is None:
+                continue
+            need(p, not lora.enabled or lora.dropout == 0, f"{prefix}.dropout={lora.dropout}: RL compares the "
+                 "engine's, the old policy's and the loss's log-probs of the same tokens, and dropout makes them "
+                 "differ (an unchanged policy's ratio is not 1); set it to 0, as verl's and TRL's RL recipes do")
         if self.rollout.lora_sync != "adapter":
             return p
         need(p, self.lora.enabled, 'rollout.lora_sync="adapter" without adapters: set lora.rank > 0 or use "merged"')

@@ -343,13 +343,16 @@ def gathered_bytes(shape: ModelShape, s: MemorySetting, e: int, *, backward: boo
     before but the whole unsharded gradient in the compute dtype."""
     layers = 2 if s.reshard_after_forward else max(2, shape.num_layers)
     r, total = DTYPE_BYTES[s.reduce_dtype], (shape.root_params + layers * shape.layer_params) * e
+    # the gradients of the root and of one layer in backward: a frozen base (LoRA) has none, its adapters' are small
+    root_grads, layer_grads = (0, s.lora_params(shape) // shape.num_layers) if s.lora_rank else (
+        shape.root_params, shape.layer_params)
     if s.keep_unsharded and s.fsdp_version == 2:  # all units gathered, every gradient accumulated unsharded
         total = shape.num_parameters * e + trained_params(shape, s) * r  # LoRA: the adapters' gradients alone
-        return total + ((shape.root_params + shape.layer_params) * e if backward else 0)
+        return total + ((root_grads + layer_grads) * e if backward else 0)
     if s.keep_unsharded:  # FSDP1's no_sync: unsharded gradients in the compute dtype (which is then the reduce one)
-        total += shape.num_parameters * e
+        total += trained_params(shape, s) * e
     if backward:
-        total += shape.root_params * e + shape.layer_params * (e + r)
+        total += root_grads * e + layer_grads * (e + r)
     return total
 
 

@@ -28,7 +28,8 @@ def check_launch(config: RLConfig | PreferenceConfig, world_size: int, device: s
     """Raise ConfigError with every problem at once: the config against ``world_size`` ranks on ``device``
     (``config.cluster_problems``; ``placement``: its ``nodes`` and ``node_gpus`` for GRPO/PPO) and what the model's
     family lacks for FSDP and the rollout engine (:func:`rlkit.models.model_family_problems`)."""
-    problems = config.cluster_problems(world_size, device, **placement) + model_family_problems(config, device)
+    problems = config.cluster_problems(world_size, device, **placement)
+    problems += model_family_problems(config, device, world_size)
     if problems:
         raise ConfigError(problems)
 

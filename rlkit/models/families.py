@@ -38,18 +38,40 @@ FLASH_ATTENTION = {
 """Attention implementations that need CUDA: (the module they import, the package that provides it)."""
 
 
-def model_family_problems(config: RLConfig | PreferenceConfig, device: str) -> list[str]:
+def model_family_problems(config: RLConfig | PreferenceConfig, device: str, world_size: int = 1) -> list[str]:
     """:func:`check_model_family` of a run config's model: its rollout engine and tensor-parallel size (a
-    preference config rolls nothing out: FSDP's needs only)."""
+    preference config rolls nothing out: FSDP's needs only); with LoRA on FSDP1, :func:`_fsdp1_lora_problems`."""
     rollout = getattr(config, "rollout", None)
-    return check_model_family(
-        BUNDLED_MODELS.get(config.model, Path(config.model)),
+    model_dir = BUNDLED_MODELS.get(config.model, Path(config.model))
+    problems = check_model_family(
+        model_dir,
         engine=rollout.engine if rollout is not None else "hf",
         device=device,
         trust_remote_code=config.trust_remote_code,
         tensor_parallel_size=rollout.tensor_parallel_size if rollout is not None else 1,
         lora=getattr(config, "lora", None),
     )
+    return problems + _fsdp1_lora_problems(config, model_dir, world_size)
+
+
+def _fsdp1_lora_problems(config: RLConfig | PreferenceConfig, model_dir: Path, world_size: int) -> list[str]:
+    """LoRA on FSDP1 that does not shard (one rank, no_shard, or hybrid groups of one) with an output head tied to
+    the input embedding: torch's FSDP1 leaves the frozen, tied weight registered as a plain tensor after the first
+    training forward, and the next gather of the full weights (the engine's sync) fails on it."""
+    fsdp, lora = config.fsdp, getattr(config, "lora", None)
+    if fsdp.version != 1 or lora is None or not lora.enabled:
+        return []
+    shards = {"no_shard": 1, "hybrid": fsdp.hybrid_shard_size or world_size}.get(fsdp.sharding, world_size)
+    hf_config, _ = _read_config(model_dir, config.trust_remote_code, "")
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)() if hf_config is not None else None
+    if shards > 1 or not getattr(text, "tie_word_embeddings", False):
+        return []
+    return [
+        f"fsdp.version=1 with lora.rank={lora.rank} on {world_size} rank(s) that do not shard (fsdp.sharding="
+        f'"{fsdp.sharding}"): {config.model} ties its output head to its input embedding, and torch\'s FSDP1 '
+        "loses the frozen tied weight after the first backward when it does not shard; use fsdp.version=2 (the "
+        "default) or shard over 2 or more ranks"
+    ]
 
 
 def _lora_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:

@@ -66,26 +66,56 @@ def bind(model: torch.nn.Module, config: LoraConfig, head: str | None = None) ->
     Raises ValueError naming what matched when the targets match nothing, match a module that is not a linear
     layer, or adapt only some decoder layers (or different modules in different layers)."""
     linear = [n for n in linear_modules(model) if n != head]
+    names = sorted({n.rsplit(".", 1)[-1] for n in linear})
     if config.target_modules == "all-linear":
         chosen = linear
     else:
         targets = list(config.target_modules)
-        every = [n for n, _ in model.named_modules() if n]
-        hits = [n for n in every if any(n == t or n.endswith("." + t) for t in targets)]
-        wrong = [n for n in hits if n not in linear]
+        chosen = _matches(model, targets)
+        wrong = [n for n in chosen if n not in linear]
         if wrong:
             raise ValueError(
                 f"lora.target_modules={targets} matches modules that are not linear layers (or the output head), "
                 f"e.g. {wrong[:3]}: adapters go on linear layers only"
             )
-        chosen = hits
+        unmatched = [t for t in targets if not _matches(model, [t])]
+        if chosen and unmatched:
+            raise ValueError(
+                f"lora.target_modules: {unmatched} match no module of {type(model).__name__} (the others do); "
+                f"its linear layers are named {names}"
+            )
     if not chosen:
-        names = sorted({n.rsplit(".", 1)[-1] for n in linear})
         raise ValueError(
             f"lora.target_modules={config.target_modules!r} matches no module of {type(model).__name__}; "
             f"its linear layers are named {names}"
         )
+    _check_modules_to_save(model, config)
     return _per_layer(chosen, decoder_layer_paths(model), config)
+
+
+def _matches(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """Module paths equal to a target or ending in ``.<target>``, in model order."""
+    return [n for n, _ in model.named_modules() if n and any(n == t or n.endswith("." + t) for t in targets)]
+
+
+def _check_modules_to_save(model: torch.nn.Module, config: LoraConfig) -> None:
+    """Raise ValueError for a ``modules_to_save`` entry that names no module, or names the output head or the input
+    embedding: rlkit's fused head computes log-probs from the head's weight itself (peft's trained copy would be
+    bypassed), and where the two are tied a trained copy of one silently unties them in the engine and the export."""
+    unmatched = [m for m in config.modules_to_save if not _matches(model, [m])]
+    if unmatched:
+        raise ValueError(f"lora.modules_to_save: {unmatched} match no module of {type(model).__name__}")
+    ends = {what: getattr(model, getter, lambda: None)() for what, getter in
+            (("output head", "get_output_embeddings"), ("input embedding", "get_input_embeddings"))}  # fmt: skip
+    for entry in config.modules_to_save:
+        hit = {id(module) for name, module in model.named_modules() if name in _matches(model, [entry])}
+        for what, module in ends.items():
+            if module is not None and id(module) in hit:
+                raise ValueError(
+                    f"lora.modules_to_save={config.modules_to_save}: {entry!r} is the model's {what}, which LoRA "
+                    "cannot train here (rlkit's fused log-prob head reads its weight directly, and a tied embedding "
+                    "would be trained on one side only); train it with full fine-tuning (lora.rank=0)"
+                )
 
 
 def _per_layer(chosen: list[str], layers: list[str], config: LoraConfig) -> LoraBinding:

@@ -103,3 +103,32 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+SHAPE_SETTINGS = ("lora.rank", "lora.target_modules", "lora.modules_to_save", "critic.lora.rank",
+                  "critic.lora.target_modules", "critic.lora.modules_to_save")  # fmt: skip
+"""Settings that change which tensors a checkpoint holds, and their shapes: a resume must keep them."""
+
+
+def resume_problems(checkpoint: Path, config: Any) -> list[str]:
+    """What stops ``config`` from resuming ``checkpoint`` (read before any worker loads it): each setting of
+    SHAPE_SETTINGS whose value differs from the checkpoint's run, named with both values."""
+    saved = read_meta(checkpoint)["config"]
+    now = config.to_dict()
+    problems = []
+    for setting in SHAPE_SETTINGS:
+        before, after = _lookup(saved, setting), _lookup(now, setting)
+        if before != after:
+            problems.append(
+                f"the checkpoint {checkpoint.name} has {setting} {before!r}, the config {after!r}: its tensors "
+                f"have other shapes; resume with {setting} = {before!r}, or start a new run"
+            )
+    return problems
+
+
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    """A nested dict's value at ``dotted`` ("lora.rank"); None where a part is missing (GRPO has no critic)."""
+    node: Any = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node

@@ -21,7 +21,7 @@ import torch
 
 from rlkit import diagnostics
 from rlkit.algos import kto_metrics, kto_mismatched_pairs, preference_metrics
-from rlkit.config import PreferenceConfig, config_from_dict
+from rlkit.config import ConfigError, PreferenceConfig, config_from_dict
 from rlkit.data.files import PromptInput
 from rlkit.data.preferences import load_preferences
 from rlkit.data.prompts import PromptSource
@@ -229,6 +229,8 @@ class PreferenceTrainer(PolicyTrainerBase):
         config = config if config is not None else config_from_dict(meta["config"])
         if not isinstance(config, PreferenceConfig):
             raise ValueError(f"{checkpoint} is a checkpoint of a {config.algorithm} run: use rlkit.Trainer.resume")
+        if problems := checkpoints.resume_problems(checkpoint, config):
+            raise ConfigError(problems)
         trainer = cls(cluster, config, pairs=pairs, val_pairs=val_pairs)
         trainer._policy.call(PreferenceWorker.load, str(checkpoint))
         trainer.steps_done = meta["steps_done"]

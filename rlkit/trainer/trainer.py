@@ -27,7 +27,7 @@ import torch
 
 from rlkit import diagnostics
 from rlkit.algos import AdvantageFn, PolicyLossFn, overlong_penalty
-from rlkit.config import PPOConfig, RLConfig, config_from_dict
+from rlkit.config import ConfigError, PPOConfig, RLConfig, config_from_dict
 from rlkit.data import load_run_data
 from rlkit.data.batch import Batch
 from rlkit.data.files import PromptInput
@@ -470,6 +470,8 @@ class Trainer(PolicyTrainerBase):
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
+        if config is not None and (problems := checkpoints.resume_problems(checkpoint, config)):
+            raise ConfigError(problems)
         trainer = cls(
             cluster,
             config if config is not None else config_from_dict(meta["config"]),
