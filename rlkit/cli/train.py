@@ -33,7 +33,7 @@ from rlkit.config import ConfigError, GRPOConfig, PreferenceConfig, RLConfig, co
 from rlkit.data import load_run_data
 from rlkit.data.preferences import load_preferences
 from rlkit.diagnostics import visible_gpu_count, visible_gpu_memory_gib
-from rlkit.models import load_tokenizer, resolve_model_dir
+from rlkit.models import describe_lora, load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, launch, torchrun
 from rlkit.trainer import PreferenceTrainer, Trainer, checkpoints
 from rlkit.trainer.base import PolicyTrainerBase
@@ -168,7 +168,8 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
         if findings.items:
             print(f"warning: {findings}", file=sys.stderr, flush=True)
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])
-    return Run(config, data.summary(), partial(Trainer, config=config), partial(_resume, Trainer, config),
+    summary = "\n".join(line for line in (data.summary(), describe_lora(config)) if line)
+    return Run(config, summary, partial(Trainer, config=config), partial(_resume, Trainer, config),
                rl_lines(terms), "reward/mean", "mean reward")  # fmt: skip
 
 

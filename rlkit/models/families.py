@@ -54,6 +54,22 @@ def model_family_problems(config: RLConfig | PreferenceConfig, device: str, worl
     return problems + _fsdp1_lora_problems(config, model_dir, world_size)
 
 
+def describe_lora(config: RLConfig | PreferenceConfig) -> str | None:
+    """The run's LoRA in one line (rank, scale, adapted modules and layers, trainable parameters), from the model
+    built on the meta device before anything loads; None without LoRA or where the model cannot be built."""
+    from rlkit.models.lora import bind
+
+    lora = getattr(config, "lora", None)
+    if lora is None or not lora.enabled:
+        return None
+    hf_config, _ = _read_config(BUNDLED_MODELS.get(config.model, Path(config.model)), config.trust_remote_code, "")
+    model = None if hf_config is None else _meta_model(hf_config, config.trust_remote_code, None, "")[0]
+    try:
+        return None if model is None else bind(model, lora).describe()
+    except ValueError:  # reported by check_model_family
+        return None
+
+
 def _fsdp1_lora_problems(config: RLConfig | PreferenceConfig, model_dir: Path, world_size: int) -> list[str]:
     """LoRA on FSDP1 that does not shard (one rank, no_shard, or hybrid groups of one) with an output head tied to
     the input embedding: torch's FSDP1 leaves the frozen, tied weight registered as a plain tensor after the first

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -36,6 +37,22 @@ class LoraBinding:
     """Decoder layer path -> the relative names of its adapted modules (e.g. "self_attn.q_proj")."""
     outside_layers: list[str] = field(default_factory=list)
     """Adapted modules outside the decoder layers (e.g. the output head, when named)."""
+    rank: int = 0
+    alpha: float = 0.0
+    trainable: int = 0
+    """Parameters that train: the adapters' r * (in + out) per module, and modules_to_save whole."""
+    total: int = 0
+    """The base model's parameters (tied ones once)."""
+
+    def describe(self) -> str:
+        """One line: the rank and scale, the adapted modules and layers, the trainable parameters."""
+        names = ", ".join(n.rsplit(".", 1)[-1] for n in self.summary()) or "no decoder-layer module"
+        layers = sum(bool(names) for names in self.per_layer.values())
+        outside = f" and {', '.join(self.outside_layers)}" if self.outside_layers else ""
+        share = 100 * self.trainable / max(self.total, 1)
+        return (f"LoRA r={self.rank}, alpha {self.alpha:g} (scale {self.alpha / max(self.rank, 1):g}) on {names} in "
+                f"{layers} of {len(self.per_layer)} decoder layers{outside}: {_count(self.trainable)} trainable "
+                f"parameters of {_count(self.total)} ({share:.2f}%); the rest frozen")
 
     def summary(self) -> dict[str, int]:
         """Relative module name -> how many decoder layers adapt it."""
@@ -90,7 +107,19 @@ def bind(model: torch.nn.Module, config: LoraConfig, head: str | None = None) ->
             f"its linear layers are named {names}"
         )
     _check_modules_to_save(model, config)
-    return _per_layer(chosen, decoder_layer_paths(model), config)
+    binding = _per_layer(chosen, decoder_layer_paths(model), config)
+    saved = [m for name, m in model.named_modules() if name in _matches(model, list(config.modules_to_save))]
+    linears = [cast(torch.nn.Linear, model.get_submodule(name)) for name in chosen]
+    binding.rank, binding.alpha = config.rank, config.alpha
+    adapters = sum(config.rank * (m.in_features + m.out_features) for m in linears)
+    binding.trainable = adapters + sum(p.numel() for m in saved for p in m.parameters())
+    binding.total = sum(p.numel() for p in model.parameters())
+    return binding
+
+
+def _count(n: int) -> str:
+    """A parameter count in words: 8.80M, 7.62B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _matches(model: torch.nn.Module, targets: list[str]) -> list[str]:

@@ -108,6 +108,8 @@ class Trainer(PolicyTrainerBase):
         owner = self._owner
         self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn, self.agent,
                                  owner=owner)  # fmt: skip
+        if (binding := self._policy.call(PolicyWorker.adapter_binding)[0]) is not None:
+            logger.info("%s", binding.describe())
         self._critic: RoleGroup[CriticWorker] | None = None
         if isinstance(config, PPOConfig):
             critic_dir = resolve_model_dir(config.critic.model) if config.critic.model else self.model_dir
