@@ -7,12 +7,14 @@ function of the position, so a test can check that every one landed where it bel
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 
 import torch
 
+from rlkit.data.agent_tasks import calculator
 from rlkit.rollout.base import Generation, SamplingParams
 
 CALL = '<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
@@ -28,6 +30,7 @@ SCRIPTS = {
     "loop": [CALL.format(name="calculator", args='{"expression": "1+1"}')] * 10,
     "ramble": ["1" * 300],
     "guess": ["50", "25", "37"],
+    "async_calc": [CALL.format(name="async_calculator", args=json.dumps({"expression": "6*7"})), "42"],
 }
 """What the model writes at turn k of a trajectory whose prompt is the script's name (the last entry repeats)."""
 
@@ -49,6 +52,38 @@ def broken(x: int) -> str:
         x: anything.
     """
     raise RuntimeError(f"broken was given {x}")
+
+
+async def async_calculator(expression: str) -> str:
+    """Work out an expression, asynchronously.
+
+    Args:
+        expression: two whole numbers joined by +, - or *.
+    """
+    await asyncio.sleep(0.01)
+    return calculator(expression)
+
+
+class EchoProcess:
+    """An async environment holding a subprocess (``cat``) from reset to close: each turn's text goes through it and
+    comes back as the observation (with the process id); the third turn ends the episode."""
+
+    async def reset(self, **fields) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            "cat", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        self.turns = 0
+
+    async def step(self, text: str) -> tuple[str, float, bool]:
+        self.process.stdin.write(text.encode() + b"\n")
+        await self.process.stdin.drain()
+        line = await asyncio.wait_for(self.process.stdout.readline(), 5)
+        self.turns += 1
+        return f"echo {line.decode().strip()} from {self.process.pid}", float(self.turns), self.turns == 3
+
+    async def close(self) -> None:
+        self.process.stdin.close()
+        await asyncio.wait_for(self.process.wait(), 5)
 
 
 class ScriptedEngine:

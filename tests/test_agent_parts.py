@@ -4,11 +4,12 @@ episode loop on a scripted engine (token in / token out, the loss mask at every 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
 import torch
-from agent_cases import SCRIPTS, ScriptedEngine, broken, slow
+from agent_cases import SCRIPTS, EchoProcess, ScriptedEngine, async_calculator, broken, slow
 
 from rlkit.algos import loss_weights
 from rlkit.config.agent import AgentConfig
@@ -19,7 +20,7 @@ from rlkit.data.tools import make_tools, parse_hermes, parse_mistral
 from rlkit.models import load_tokenizer
 from rlkit.models.tiny import TINY_AGENT_DIR
 from rlkit.rollout.base import SamplingParams
-from rlkit.rollout.calls import run_all
+from rlkit.rollout.calls import CallRunner, call
 from rlkit.rollout.episodes import EpisodeInput, run_episodes
 
 
@@ -84,10 +85,14 @@ def test_tool_schema_comes_from_the_signature_and_docstring():
 
 def test_calls_run_at_once_and_a_hung_one_times_out():
     barrier, hung = threading.Barrier(3, timeout=5), threading.Event()
-    jobs = [barrier.wait] * 3 + [lambda: hung.wait(60), lambda: 1 / 0]
-    outcomes = run_all(jobs, timeout=1.0)  # the barrier only opens when the three run at the same time
+    functions = [barrier.wait] * 3 + [lambda: hung.wait(60), lambda: 1 / 0, asyncio.Event().wait]
+    runner = CallRunner()
+    try:  # the barrier only opens when the three run at the same time
+        outcomes = runner.run_all([lambda f=f: call(f) for f in functions], timeout=1.0)
+    finally:
+        runner.close()
     assert [o.error is None and not o.timed_out for o in outcomes[:3]] == [True] * 3
-    assert outcomes[3].timed_out and outcomes[3].seconds == 1.0
+    assert outcomes[3].timed_out and outcomes[3].seconds == 1.0 and outcomes[5].timed_out
     assert isinstance(outcomes[4].error, ZeroDivisionError)
     hung.set()
 
@@ -247,6 +252,24 @@ def test_an_environment_plays_turns_with_rewards(tokenizer, environment):
     assert [t.reward for t in trajectory.turns] == [0.0, 0.0, 1.0] and trajectory.env_reward == 1.0
     assert trajectory.finish_reason == "stop" and trajectory.drift == ""
     assert [m["content"] for m in trajectory.messages if m["role"] == "user"] == ["guess", "lower", "higher"]
+
+
+def test_async_tools_are_awaited_and_an_async_environment_keeps_its_subprocess_across_turns(tokenizer):
+    """An ``async def`` tool's result is what the model reads (not a coroutine object); an async environment that
+    starts a subprocess in reset talks to it at every step and ends it in close (one event loop for all of them)."""
+    out, _, _, _ = episodes(tokenizer, ["async_calc"], tools=(async_calculator,))
+    calls = out.trajectories[0].turns[0].calls
+    assert [(c.name, c.status, c.result) for c in calls] == [("async_calculator", "ok", "42")]
+    assert out.finish_reason == ["stop"]
+    out, _, _, _ = episodes(tokenizer, ["guess", "guess"], tools=(), environment=EchoProcess, max_turns=4)
+    assert out.finish_reason == ["stop", "stop"], [t.error for t in out.trajectories]
+    for trajectory in out.trajectories:
+        observations = [t.observation for t in trajectory.turns]
+        pid = observations[0].rsplit(" ", 1)[1]
+        assert observations == [f"echo {g} from {pid}" for g in ("50", "25", "37")], "one process from reset on"
+        assert [t.reward for t in trajectory.turns] == [1.0, 2.0, 3.0]
+        with pytest.raises(ProcessLookupError):  # close() ended it (and reaped it)
+            os.kill(int(pid), 0)
 
 
 def test_a_failing_environment_ends_its_trajectory_named_and_kept(tokenizer):

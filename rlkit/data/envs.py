@@ -3,13 +3,15 @@
 An environment has ``reset(**fields)`` (the prompt row's fields, e.g. ``secret=...``; its return value
 is ignored) and ``step(text) -> (observation, reward, done)``: ``text`` is the model's turn (special tokens
 dropped), ``observation`` the reply the model reads next (a user message), ``reward`` this turn's reward and
-``done`` whether the episode is over. Either method may be ``async``. The run is given the class (or any
-callable that makes a fresh one); each trajectory gets its own instance, so no state is shared.
+``done`` whether the episode is over; and optionally ``close()``, called once the trajectory is over (and the
+rollout's other trajectories too), to release what ``reset`` opened. Any of them may be ``async``: a worker runs
+all of them on one event loop (:class:`rlkit.rollout.calls.CallRunner`), so a subprocess or client opened in
+``reset`` can be used in every ``step`` and ended in ``close``. The run is given the class (or any callable that
+makes a fresh one); each trajectory gets its own instance, so no state is shared.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import numbers
@@ -18,6 +20,8 @@ from typing import Any, NamedTuple, Protocol
 
 
 class Environment(Protocol):
+    """``reset`` and ``step`` (each may be async); ``close`` is optional."""
+
     def reset(self, **fields: Any) -> Any: ...
 
     def step(self, text: str) -> Any: ...
@@ -49,21 +53,8 @@ def environment_problems(factory: Any) -> list[str]:
     return []
 
 
-def finish(value: Any) -> Any:
-    """``value``, or what it resolves to when it is awaitable (an async method's coroutine), run to completion in
-    a fresh event loop of this thread."""
-    if inspect.isawaitable(value):
-        return asyncio.run(_awaited(value))
-    return value
-
-
-async def _awaited(value: Any) -> Any:
-    return await value
-
-
-def env_step(environment: Environment, text: str) -> EnvStep:
-    """``environment.step(text)``, awaited when async, checked: raises TypeError naming what is wrong."""
-    value = finish(environment.step(text))
+def checked_step(value: Any) -> EnvStep:
+    """What an environment's step returned, checked: raises TypeError naming what is wrong."""
     if not isinstance(value, tuple) or len(value) != 3:
         raise TypeError(f"step returned {value!r:.100}; expected (observation: str, reward: float, done: bool)")
     observation, reward, done = value

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlkit.data.agents import Agent
-from rlkit.data.envs import Environment, env_step
+from rlkit.data.envs import Environment, EnvStep, checked_step
 from rlkit.data.tools import TOOL_PARSERS, ParsedCall, argument_problem, result_text
 from rlkit.data.trajectories import ToolCall
-from rlkit.rollout.calls import Outcome, run_all
+from rlkit.rollout.calls import CallRunner, Job, Outcome, call
 
 
 @dataclass(kw_only=True)
@@ -48,35 +48,40 @@ class Reaction:
     """The environment failed (the trajectory ends: finish reason "env_error")."""
 
 
-def act(agent: Agent, turns: list[TurnInput]) -> list[Reaction]:
+def act(agent: Agent, turns: list[TurnInput], runner: CallRunner) -> list[Reaction]:
     """The reaction to every turn: each turn's tool calls (when the agent has tools and the turn made calls), else
-    its environment's step, else the end of the episode. All calls and steps run at once, each within
-    ``agent.limits.call_timeout`` seconds."""
+    its environment's step, else the end of the episode. All calls and steps run at once on ``runner``'s loop,
+    each within ``agent.limits.call_timeout`` seconds."""
     parse = TOOL_PARSERS[agent.limits.tool_parser]
     parsed = [parse(t.text) if agent.tools else [] for t in turns]
-    jobs: list[Callable[[], Any]] = []
+    jobs: list[Job] = []
     owners: list[tuple[int, int]] = []  # (turn, call) of each job; call -1: the environment's step
     for i, (turn, calls) in enumerate(zip(turns, parsed, strict=True)):
-        for j, call in enumerate(calls):
-            tool = agent.tool(call.name)
-            if not call.error and tool is not None and not argument_problem(tool, call.arguments or {}):
-                jobs.append(_tool_job(tool.fn, call.arguments or {}))
+        for j, parsed_call in enumerate(calls):
+            tool = agent.tool(parsed_call.name)
+            arguments = parsed_call.arguments or {}
+            if not parsed_call.error and tool is not None and not argument_problem(tool, arguments):
+                jobs.append(_tool_job(tool.fn, arguments))
                 owners.append((i, j))
         if not calls and turn.environment is not None:
             jobs.append(_step_job(turn.environment, turn.clean))
             owners.append((i, -1))
-    outcomes = dict(zip(owners, run_all(jobs, agent.limits.call_timeout), strict=True))
+    outcomes = dict(zip(owners, runner.run_all(jobs, agent.limits.call_timeout), strict=True))
     return [
         _reaction(agent, turn, calls, i, outcomes) for i, (turn, calls) in enumerate(zip(turns, parsed, strict=True))
     ]
 
 
-def _tool_job(fn: Callable[..., Any], arguments: dict[str, Any]) -> Callable[[], Any]:
-    return lambda: fn(**arguments)
+def _tool_job(fn: Callable[..., Any], arguments: dict[str, Any]) -> Job:
+    return lambda: call(fn, **arguments)
 
 
-def _step_job(environment: Environment, text: str) -> Callable[[], Any]:
-    return lambda: env_step(environment, text)
+def _step_job(environment: Environment, text: str) -> Job:
+    return lambda: _step(environment, text)
+
+
+async def _step(environment: Environment, text: str) -> EnvStep:
+    return checked_step(await call(environment.step, text))
 
 
 def _reaction(

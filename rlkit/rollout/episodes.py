@@ -26,11 +26,11 @@ import torch
 
 from rlkit.data.agents import Agent
 from rlkit.data.chat import ChatRenderer
-from rlkit.data.envs import Environment, EnvironmentFactory, finish
+from rlkit.data.envs import Environment, EnvironmentFactory
 from rlkit.data.trajectories import Trajectory, Turn
 from rlkit.rollout.actions import Reaction, TurnInput, act
 from rlkit.rollout.base import Generation, RolloutEngine, SamplingParams
-from rlkit.rollout.calls import run_all
+from rlkit.rollout.calls import CallRunner, call
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ def run_episodes(
     params: SamplingParams,
     *,
     first_row: int = 0,
+    runner: CallRunner | None = None,
 ) -> Episodes:
     """``params.n`` trajectories of each prompt, run to their end.
 
@@ -109,31 +110,56 @@ def run_episodes(
         inputs: the N prompts' messages and fields.
         prompt_ids, prompt_mask: [N, P] the same prompts rendered (with the tools) and left-padded.
         first_row: the batch row of this rank's first trajectory (errors name trajectories by batch row).
+        runner: the event loop of the tool calls and environment methods (the worker's; None: one for this call).
     """
+    own = runner is None
+    runner = runner or CallRunner()
+    try:
+        return _run(engine, renderer, agent, inputs, prompt_ids, prompt_mask, params, first_row, runner)
+    finally:
+        if own:
+            runner.close()
+
+
+def _run(
+    engine: RolloutEngine,
+    renderer: ChatRenderer,
+    agent: Agent,
+    inputs: list[EpisodeInput],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    first_row: int,
+    runner: CallRunner,
+) -> Episodes:
     times = {"episodes/engine": 0.0, "episodes/calls": 0.0, "episodes/render": 0.0}
     width, limits = params.max_new_tokens, agent.limits
     # 1. a trajectory per prompt and sample: its prompt's ids and messages, a fresh environment reset with its fields
     with _timed(times, "episodes/calls"):
-        states = _start(agent, inputs, prompt_ids, prompt_mask, params.n, first_row)
-    for turn in range(limits.max_turns):
-        live = [s for s in states if not s.finish]
-        if not live:
-            break
-        # 2. one engine call over every live trajectory's whole context
-        with _timed(times, "episodes/engine"):
-            gen = _generate(engine, renderer.tokenizer.pad_token_id, live, params, turn, limits.max_turn_tokens,
-                            prompt_ids.device)  # fmt: skip
-        # 3. append each one's sampled ids (loss mask 1, engine log-probs); no end-of-turn token ends it: "length"
-        for row, state in enumerate(live):
-            _append_model_turn(state, gen, row, turn, width, renderer)
-        acting = [s for s in live if not s.finish]
-        # 4. the turn's tool calls and environment steps, across trajectories, all at once
+        states = _start(agent, inputs, prompt_ids, prompt_mask, params.n, first_row, runner)
+    try:
+        for turn in range(limits.max_turns):
+            live = [s for s in states if not s.finish]
+            if not live:
+                break
+            # 2. one engine call over every live trajectory's whole context
+            with _timed(times, "episodes/engine"):
+                gen = _generate(engine, renderer.tokenizer.pad_token_id, live, params, turn, limits.max_turn_tokens,
+                                prompt_ids.device)  # fmt: skip
+            # 3. append each one's sampled ids (loss mask 1, engine log-probs); no end-of-turn token ends it: "length"
+            for row, state in enumerate(live):
+                _append_model_turn(state, gen, row, turn, width, renderer)
+            acting = [s for s in live if not s.finish]
+            # 4. the turn's tool calls and environment steps, across trajectories, all at once
+            with _timed(times, "episodes/calls"):
+                reactions = act(agent, [_turn_input(s, turn, renderer) for s in acting], runner)
+            # 5. append each reaction's ids (loss mask 0), or end: answered, env_error, max_turns, budget
+            with _timed(times, "episodes/render"):
+                for state, reaction in zip(acting, reactions, strict=True):
+                    _append_reaction(state, reaction, renderer, turn, last=turn == limits.max_turns - 1, width=width)
+    finally:
         with _timed(times, "episodes/calls"):
-            reactions = act(agent, [_turn_input(s, turn, renderer) for s in acting])
-        # 5. append each reaction's ids (loss mask 0), or end: answered, env_error, max_turns, budget
-        with _timed(times, "episodes/render"):
-            for state, reaction in zip(acting, reactions, strict=True):
-                _append_reaction(state, reaction, renderer, turn, last=turn == limits.max_turns - 1, width=width)
+            _close(states, runner, limits.call_timeout)
     # 6. the drift check against each re-rendered conversation, then the tensors
     with _timed(times, "episodes/render"):
         trajectories = [_trajectory(s, renderer) for s in states]
@@ -142,9 +168,15 @@ def run_episodes(
 
 
 def _start(
-    agent: Agent, inputs: list[EpisodeInput], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, first: int
+    agent: Agent,
+    inputs: list[EpisodeInput],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    n: int,
+    first: int,
+    runner: CallRunner,
 ) -> list[_Open]:
-    """The open trajectories, prompt-major; each environment made and reset on a thread of its own."""
+    """The open trajectories, prompt-major; each environment made and reset on the runner's loop."""
     states: list[_Open] = []
     for i, item in enumerate(inputs):
         ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
@@ -156,7 +188,7 @@ def _start(
         return states
     fields = [item.fields for item in inputs for _ in range(n)]
     jobs = [functools.partial(_fresh, factory, f) for f in fields]
-    for state, outcome in zip(states, run_all(jobs, agent.limits.call_timeout), strict=True):
+    for state, outcome in zip(states, runner.run_all(jobs, agent.limits.call_timeout), strict=True):
         if outcome.timed_out or outcome.error is not None:
             why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)
             state.error = f"{state.name}: the environment's reset failed: {why}"
@@ -166,10 +198,21 @@ def _start(
     return states
 
 
-def _fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> Environment:
-    environment = factory()
-    finish(environment.reset(**fields))
+async def _fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> Environment:
+    environment = await call(factory)
+    await call(environment.reset, **fields)
     return environment
+
+
+def _close(states: list[_Open], runner: CallRunner, timeout: float) -> None:
+    """Every environment's ``close()`` (those that have one), at once on the runner's loop; a failure is logged."""
+    closers = {s.name: getattr(s.environment, "close", None) for s in states}
+    closing = [s for s in states if callable(closers[s.name])]
+    jobs = [functools.partial(call, closers[s.name]) for s in closing]
+    for state, outcome in zip(closing, runner.run_all(jobs, timeout), strict=True):
+        if outcome.timed_out or outcome.error is not None:
+            why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)
+            logger.warning("%s: the environment's close failed: %s", state.name, why)
 
 
 def _generate(
