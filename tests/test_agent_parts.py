@@ -9,7 +9,16 @@ import threading
 
 import pytest
 import torch
-from agent_cases import SCRIPTS, EchoProcess, ScriptedEngine, async_calculator, broken, slow
+from agent_cases import (
+    QWEN3_TEMPLATE,
+    QWEN3_THINKING_TEMPLATE,
+    SCRIPTS,
+    EchoProcess,
+    ScriptedEngine,
+    async_calculator,
+    broken,
+    slow,
+)
 
 from rlkit.algos import loss_weights
 from rlkit.config.agent import AgentConfig
@@ -148,6 +157,31 @@ def test_templates_that_cannot_append_turns_are_named(tokenizer):
     plain.chat_template = None
     assert "has none" in ChatRenderer(plain).problems()[0]
     assert ChatRenderer(tokenizer, schemas).problems() == []
+
+
+@pytest.mark.parametrize("template", [QWEN3_TEMPLATE, QWEN3_THINKING_TEMPLATE], ids=["qwen3", "thinking"])
+def test_qwen3_templates_run_tools_and_environments(template):
+    """Qwen3 writes an empty ``<think></think>`` into an assistant turn only when it is the last message, so the
+    stand-in renders differently once messages follow; what the engine sees next (the tokens after the turn's
+    <|im_end|>) is what counts. With tools and with an environment, on Qwen3's template and a thinking model's."""
+    qwen3 = load_tokenizer(TINY_AGENT_DIR)
+    qwen3.chat_template = template
+    opening = "<|im_start|>assistant\n" + ("<think>\n" if template is QWEN3_THINKING_TEMPLATE else "")
+    schemas = [make_tools([calculator])[0][0].schema]
+    assert ChatRenderer(qwen3, schemas).problems() == [] and ChatRenderer(qwen3).problems() == []
+    out, _, _, _ = episodes(qwen3, ["think_calc"], width=150)
+    trajectory = out.trajectories[0]
+    assert [(c.name, c.status, c.result) for c in trajectory.turns[0].calls] == [("calculator", "ok", "42")]
+    assert out.finish_reason == ["stop"] and len(trajectory.turns) == 2
+    assert trajectory.drift == "" or template is QWEN3_THINKING_TEMPLATE, "Qwen3 keeps the reasoning of tool turns"
+    delta = out.response_ids[0, trajectory.turns[0].end : trajectory.turns[0].observation_end].tolist()
+    assert qwen3.decode(delta) == f"\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n{opening}"
+    out, _, _, _ = episodes(qwen3, ["guess"], tools=(), environment=GuessNumber, max_turns=4)
+    trajectory = out.trajectories[0]
+    assert out.finish_reason == ["stop"] and [t.observation for t in trajectory.turns] == ["lower", "higher", "correct"]
+    first = trajectory.turns[0]
+    delta = out.response_ids[0, first.end : first.observation_end].tolist()
+    assert qwen3.decode(delta) == f"\n<|im_start|>user\nlower<|im_end|>\n{opening}"
 
 
 # -- the episode loop -----------------------------------------------------------------------------
