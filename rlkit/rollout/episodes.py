@@ -29,7 +29,7 @@ from rlkit.data.chat import ChatRenderer
 from rlkit.data.envs import Environment, EnvironmentFactory
 from rlkit.data.trajectories import Trajectory, Turn
 from rlkit.rollout.actions import Reaction, TurnInput, act
-from rlkit.rollout.base import Generation, RolloutEngine, SamplingParams
+from rlkit.rollout.base import Generation, RolloutEngine, SamplingParams, logprob_prompts
 from rlkit.rollout.calls import CallRunner, call
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class _Open:
     turn_of: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     engine_logprobs: bool = True
+    """Whether every model turn carries the engine's log-probs (asked for whole groups of trajectories)."""
     finish: str = ""
     error: str = ""
 
@@ -137,6 +138,10 @@ def _run(
     # 1. a trajectory per prompt and sample: its prompt's ids and messages, a fresh environment reset with its fields
     with _timed(times, "episodes/calls"):
         states = _start(agent, inputs, prompt_ids, prompt_mask, params.n, first_row, runner)
+    # whole groups of trajectories carry the engine's log-probs, at every turn (vLLM's share; HF generate: all)
+    wanted = logprob_prompts(len(inputs), getattr(engine, "logprob_fraction", 1.0)).repeat_interleave(params.n)
+    for state, keep in zip(states, wanted.tolist(), strict=True):
+        state.engine_logprobs = keep
     try:
         for turn in range(limits.max_turns):
             live = [s for s in states if not s.finish]
@@ -237,7 +242,7 @@ def _generate(
     cap = min(room, turn_cap) if turn_cap else room
     turn_params = dataclasses.replace(
         params, n=1, max_new_tokens=cap, min_new_tokens=min(params.min_new_tokens, cap),
-        seed=params.seed + turn * TURN_SEED_STRIDE,
+        seed=params.seed + turn * TURN_SEED_STRIDE, logprob_rows=tuple(s.engine_logprobs for s in live),
     )  # fmt: skip
     return engine.generate(ids.to(device), mask.to(device), turn_params)
 
