@@ -126,7 +126,8 @@ class RLConfig:
     """The reward taken from a completion of max_new_tokens tokens by the overlong punishment, >= 0."""
     mask_truncated: bool = False
     """Leave completions that hit max_new_tokens (finish reason "length") out of the loss (DAPO; TRL's
-    mask_truncated_completions); their rewards still count in their group's advantages."""
+    mask_truncated_completions), and trajectories cut at their token budget ("budget"); their rewards still count
+    in their group's advantages."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop the groups whose rewards are all equal (zero group-relative advantage,
     no gradient) and sample more prompts until prompts_per_step informative groups are collected, at most
