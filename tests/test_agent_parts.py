@@ -410,6 +410,65 @@ def test_environment_rewards_sit_on_each_turns_last_model_token_with_turn_reward
     assert batch.trajectory_lengths.tolist() == [6] and batch.response_lengths.tolist() == [4]
 
 
+def test_an_environment_is_reset_on_a_row_of_the_data_before_launch(tokenizer):
+    """reset needing a field the rows lack, or `environment` naming a reward function: found before launch, not as a
+    run that "completes" with reward 0."""
+    from rlkit.config import ConfigError, GRPOConfig
+    from rlkit.data import load_run_data
+    from rlkit.data.agent_tasks import answer_reward
+
+    rows = [{"prompt": [{"role": "user", "content": "guess 1-99"}], "number": "37"}]
+    config = GRPOConfig(model="tiny-agent")
+    with pytest.raises(ConfigError) as caught:
+        load_run_data(config, tokenizer, prompts=rows, environment=GuessNumber)
+    assert "environment GuessNumber: reset(**fields) on the data's first row raised TypeError" in str(caught.value)
+    assert "the rows have the fields ['number']" in str(caught.value)
+    with pytest.raises(ConfigError, match="environment answer_reward: making one raised TypeError"):
+        load_run_data(config, tokenizer, prompts=rows, environment=answer_reward)
+    renamed = [{**rows[0], "secret": "37"}]
+    assert load_run_data(config, tokenizer, prompts=renamed, environment=EchoProcess).agent is not None
+
+
+def batch_ending(reasons: list[str]):
+    """A batch of one-turn trajectories (2 model tokens each) that ended with ``reasons``."""
+    from rlkit.data.batch import Batch
+    from rlkit.data.trajectories import Trajectory, Turn
+
+    size = len(reasons)
+    error = "trajectory {}, turn 0: the environment's step failed: KeyError: 'x'"
+    trajectories = [
+        Trajectory(messages=[], turns=[Turn(index=0, start=0, end=2, text="a")], finish_reason=reason,
+                   error=error.format(i) if reason == "env_error" else "")
+        for i, reason in enumerate(reasons)
+    ]  # fmt: skip
+    return Batch(
+        prompts=["p"] * size, completions=["a"] * size, input_ids=torch.zeros(size, 4, dtype=torch.long),
+        attention_mask=torch.ones(size, 4, dtype=torch.long), response_mask=torch.ones(size, 2),
+        rollout_logprobs=torch.zeros(size, 2), group=torch.zeros(size, dtype=torch.long), finish_reason=reasons,
+        trajectories=trajectories, advantages=torch.ones(size, 2),
+    )  # fmt: skip
+
+
+def test_env_errors_leave_the_loss_are_counted_and_fail_a_step_where_most_hit_them():
+    """A trajectory whose environment failed is not trained on (its reward says nothing about the model) unless
+    agent.keep_env_errors; the step's metrics count them; a rollout where most trajectories hit one fails loudly."""
+    from rlkit.config import GRPOConfig
+    from rlkit.trainer.agentic import env_error_failure, left_out_of_loss, trajectory_metrics
+    from rlkit.trainer.assemble import critic_rows, policy_rows
+
+    batch = batch_ending(["stop", "env_error", "budget", "stop"])
+    rows = policy_rows(batch, left_out_of_loss(GRPOConfig()), True)
+    assert rows.response_mask.sum(dim=1).tolist() == [2.0, 0.0, 2.0, 2.0]
+    batch.values = batch.returns = torch.zeros(4, 2)
+    assert critic_rows(batch, left_out_of_loss(GRPOConfig())).response_mask.sum(dim=1).tolist() == [2, 0, 2, 2]
+    keep = GRPOConfig(agent={"keep_env_errors": True}, mask_truncated=True)
+    assert policy_rows(batch, left_out_of_loss(keep), True).response_mask.sum(dim=1).tolist() == [2, 2, 0, 2]
+    assert trajectory_metrics(batch)["agent/env_errors"] == 1 and env_error_failure(batch) == ""
+    failure = env_error_failure(batch_ending(["env_error", "stop", "env_error", "env_error"]))
+    assert failure.startswith("3 of 4 trajectories ended with env_error (their environment raised or timed out)")
+    assert "trajectory 0, turn 0: the environment's step failed: KeyError: 'x'" in failure
+
+
 def test_tools_and_environments_that_cannot_be_pickled_are_named_before_launch(tokenizer):
     from rlkit.config import GRPOConfig
     from rlkit.data.agents import collect_agent

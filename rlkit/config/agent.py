@@ -69,6 +69,12 @@ class AgentConfig:
     "reinforce++", "gae") instead of summing them onto the trajectory's last model token. The group estimators
     (GRPO, RLOO) see each trajectory's sum either way."""
 
+    keep_env_errors: bool = False
+    """Train on trajectories that ended with "env_error" too, with whatever reward they got. By default they leave
+    the loss (an environment that failed says nothing about the model; its reward would act as a penalty), like
+    ``mask_truncated``'s: their rewards still count in their group's statistics. Counted in ``agent/env_errors``;
+    a rollout where more than half the trajectories hit one fails the step."""
+
     def problems(self, prefix: str = "agent") -> list[str]:
         p: list[str] = []
         need(p, self.max_turns >= 1, f"{prefix}.max_turns={self.max_turns}: must be >= 1")

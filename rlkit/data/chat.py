@@ -5,9 +5,9 @@ end-of-turn token), a trajectory appends the ids of what the chat template write
 closed turn, the observation's messages and the next generation prompt. They are what follows a fixed
 stand-in assistant turn's end-of-turn token once the observation's messages follow it (what the engine sees
 next; the stand-in turn itself may render differently when it is no longer the last, as Qwen3's does), so only
-the template's own tokens and the observation's text are tokenised. The boundary rule: the model's turn ends at its end-of-turn token (the tokenizer's eos, where
-the engine stops); whatever the template writes after that token (Qwen's "\\n" after ``<|im_end|>``)
-belongs to the observation, and is masked out of the loss with it.
+the template's own tokens and the observation's text are tokenised. The boundary rule: the model's turn ends
+at its end-of-turn token (the tokenizer's eos, where the engine stops); whatever the template writes after
+that token (Qwen's "\\n" after ``<|im_end|>``) belongs to the observation, and is masked out of the loss with it.
 
 A template that is not append-only (one that rewrites earlier turns, e.g. drops their reasoning) or a model
 that samples a non-canonical tokenisation makes the ids differ from a re-render of the whole conversation:

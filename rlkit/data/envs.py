@@ -12,9 +12,11 @@ makes a fresh one); each trajectory gets its own instance, so no state is shared
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -51,6 +53,51 @@ def environment_problems(factory: Any) -> list[str]:
                 "reset(self, **fields) and step(self, text) -> (observation, reward, done)"
             ]
     return []
+
+
+def reset_problems(factory: EnvironmentFactory, fields: dict[str, Any], timeout: float) -> list[str]:
+    """Why ``factory`` cannot start an episode on a row of the data: an environment made, reset with the row's
+    ``fields`` and closed (in an event loop of its own, on a thread of its own), within ``timeout`` seconds."""
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+    found: list[str] = []
+    thread = threading.Thread(target=lambda: found.append(_trial(factory, fields, name)), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return [f"environment {name}: reset(**fields) on the data's first row took longer than agent.call_timeout="
+                f"{timeout:g} s: make it faster, or raise the timeout"]  # fmt: skip
+    return [found[0]] if found[0] else []
+
+
+def _trial(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> str:
+    """The problem of making, resetting and closing one environment ("" when there is none)."""
+    try:
+        environment = asyncio.run(_resolved(factory))
+    except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported
+        return (f"environment {name}: making one raised {type(exc).__name__}: {exc}; `environment` names a "
+                "class with reset(self, **fields) and step(self, text), or a function of no arguments returning "
+                "one")  # fmt: skip
+    missing = [m for m in ("reset", "step") if not callable(getattr(environment, m, None))]
+    if missing:
+        return f"environment {name}: what it makes ({type(environment).__name__}) has no {' and no '.join(missing)}"
+    try:
+        asyncio.run(_reset_and_close(environment, fields))
+    except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported
+        return (f"environment {name}: reset(**fields) on the data's first row raised {type(exc).__name__}: {exc}; "
+                f"the rows have the fields {sorted(fields)}")  # fmt: skip
+    return ""
+
+
+async def _resolved(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    value = fn(*args, **kwargs)
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _reset_and_close(environment: Any, fields: dict[str, Any]) -> None:
+    await _resolved(environment.reset, **fields)
+    close = getattr(environment, "close", None)
+    if callable(close):
+        await _resolved(close)
 
 
 def checked_step(value: Any) -> EnvStep:

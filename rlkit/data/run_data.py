@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from rlkit.data import agent_tasks
 from rlkit.data.agents import AGENT_FIELDS, Agent, collect_agent
+from rlkit.data.envs import reset_problems
 from rlkit.data.files import PromptInput
-from rlkit.data.loading import PromptReport, collect_prompts
+from rlkit.data.loading import PROMPT_MESSAGES, PromptReport, collect_prompts
 from rlkit.data.named_rewards import collect_rewards, signature_problems
 from rlkit.data.prompts import PromptSource
 from rlkit.data.rewards import WeightedReward, reward_terms
@@ -106,6 +107,8 @@ def load_run_data(
     if fields is None and val_report is not None:
         fields = val_report.fields
     task = prompts is None and not config.data.train_files and config.model == "tiny"
+    if agent is not None and agent.environment is not None and train is not None and not problems:
+        problems += _first_row_problems(agent, train)
     if agent is not None and fields is not None:
         problems += _agent_field_problems(fields)
         fields = [*fields, *AGENT_FIELDS]
@@ -130,6 +133,17 @@ def _bundled_agent_task(
     tools = tools if tools or environment is not None or config.tools else [agent_tasks.calculator]
     reward_fn = reward_fn if reward_fn is not None or config.rewards else agent_tasks.answer_reward
     return prompts, tools, reward_fn
+
+
+def _first_row_problems(agent: Agent, train: PromptSource) -> list[str]:
+    """The environment made and reset on the first row of the data (a task source has no fixed rows: none)."""
+    assert agent.environment is not None
+    try:
+        row = train.items[0]
+    except TypeError:
+        return []
+    fields = {k: v for k, v in row.items() if k not in ("prompt", PROMPT_MESSAGES)}
+    return reset_problems(agent.environment, fields, agent.limits.call_timeout)
 
 
 def _agent_field_problems(fields: list[str]) -> list[str]:
