@@ -32,6 +32,7 @@ SCRIPTS = {
     "guess": ["50", "25", "37"],
     "think_calc": ["<think>\nuse the tool\n</think>\n\n" + CALL.format(name="calculator", args='{"expression": "6*7"}'),
                    "<think>\nread it\n</think>\n\n42"],
+    "count": [CALL.format(name="count_to", args='{"n": 40}'), "done"],
     "async_calc": [CALL.format(name="async_calculator", args=json.dumps({"expression": "6*7"})), "42"],
 }
 """What the model writes at turn k of a trajectory whose prompt is the script's name (the last entry repeats)."""
@@ -45,6 +46,15 @@ def slow(seconds: float = 30.0) -> str:
     """
     time.sleep(seconds)
     return "late"
+
+
+def count_to(n: int) -> str:
+    """Count.
+
+    Args:
+        n: how far.
+    """
+    return " ".join(str(i) for i in range(n))
 
 
 def broken(x: int) -> str:

@@ -17,6 +17,7 @@ from agent_cases import (
     ScriptedEngine,
     async_calculator,
     broken,
+    count_to,
     slow,
 )
 
@@ -247,6 +248,31 @@ def test_each_limit_and_failure_is_named_recorded_and_loses_nothing(tokenizer, c
     assert "trajectory 10, turn 0, call 0 (slow): timeout" in caplog.text  # named by batch row, turn and call
     assert "trajectory 11, turn 0, call 0 (broken): error: broken raised RuntimeError" in caplog.text
     assert "trajectory 12, turn 0, call 0 (unreadable): unparsable" in caplog.text
+
+
+def test_tool_calls_past_the_limits_are_not_run_and_long_results_are_cut(tokenizer):
+    """agent.max_parallel_calls: the calls of a turn past it are not run (the model reads why); calls whose results
+    could never be shown (the last turn) are not run at all; a result over agent.max_tool_response_tokens is cut on
+    agent.tool_response_truncate_side."""
+    out, _, _, _ = episodes(tokenizer, ["two_calls"], max_parallel_calls=1)
+    calls = out.trajectories[0].turns[0].calls
+    assert [(c.status, c.result) for c in calls] == [("ok", "2"), ("over_limit", "error: not run: at most 1 call "
+                                                     "per turn (agent.max_parallel_calls)")]  # fmt: skip
+    out, _, _, _ = episodes(tokenizer, ["broken", "calc"], tools=(calculator, broken), max_turns=1)
+    assert out.finish_reason == ["max_turns", "max_turns"]
+    assert [[(c.status, c.result) for c in t.turns[0].calls] for t in out.trajectories] == [[("not_run", "")]] * 2
+    assert [t.failed_calls for t in out.trajectories] == [0, 0]
+    cut = {}
+    for side in ("left", "right", "middle"):
+        out, _, _, _ = episodes(tokenizer, ["count"], tools=(count_to,), width=200, max_tool_response_tokens=8,
+                                tool_response_truncate_side=side)  # fmt: skip
+        cut[side] = out.trajectories[0].turns[0].calls[0].result
+    assert cut["left"].startswith("0 1 2 3") and cut["left"].endswith("...(truncated)")
+    assert cut["right"].startswith("(truncated)...") and cut["right"].endswith("38 39")
+    assert cut["middle"].startswith("0 1") and "...(truncated)..." in cut["middle"] and cut["middle"].endswith("39")
+    for text in cut.values():  # 8 tokens of the result are kept
+        kept = text.replace("...(truncated)...", "").replace("...(truncated)", "").replace("(truncated)...", "")
+        assert len(tokenizer(kept, add_special_tokens=False)["input_ids"]) <= 8, text
 
 
 def test_the_budget_ends_a_trajectory_before_an_observation_that_does_not_fit(tokenizer):

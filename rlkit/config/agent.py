@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from rlkit.config.checks import need
 
 TOOL_PARSERS = ("hermes", "mistral")
+TRUNCATE_SIDES = ("left", "right", "middle")
+"""Which part of a long tool result is kept (verl's ``tool_response_truncate_side``): its start, its end, or both."""
 """How tool calls are read from a model turn (``agent.tool_parser``), see :mod:`rlkit.data.tools`."""
 FINISH_REASONS = {
     "stop": "the model answered without calling a tool, or the environment ended the episode",
@@ -61,6 +63,15 @@ class AgentConfig:
     """Seconds a tool call or an environment's reset or step may take, > 0. A call past it gets status
     "timeout" (the model reads an error); an environment past it ends the trajectory ("env_error"). Python
     cannot stop a thread: the late call runs on in the background and its result is dropped."""
+    max_parallel_calls: int = 8
+    """Tool calls of one model turn that run, >= 1 (verl's ``max_parallel_calls``); the model reads an error as the
+    result of each call past it (status "over_limit")."""
+    max_tool_response_tokens: int = 512
+    """Tokens of a tool's result the model reads at most, >= 0 (0: all); a longer result is cut on
+    ``tool_response_truncate_side``, marked "(truncated)" (verl's ``max_tool_response_length``, there in
+    characters). Without a limit, one huge result ends its trajectory (finish reason "budget")."""
+    tool_response_truncate_side: str = "middle"
+    """What a cut result keeps: "left" (its start), "right" (its end) or "middle" (half of each)."""
     tool_parser: str = "hermes"
     """How tool calls are found in a model turn: "hermes" (Qwen, Hermes: ``<tool_call>{json}</tool_call>``) or
     "mistral" (``[TOOL_CALLS]`` then a JSON list); each call is ``{"name": ..., "arguments": {...}}``."""
@@ -81,6 +92,11 @@ class AgentConfig:
         need(p, self.max_turn_tokens >= 0, f"{prefix}.max_turn_tokens={self.max_turn_tokens}: must be >= 0 (0 = the "
              "budget left)")  # fmt: skip
         need(p, self.call_timeout > 0, f"{prefix}.call_timeout={self.call_timeout}: must be > 0 seconds, e.g. 10")
+        need(p, self.max_parallel_calls >= 1, f"{prefix}.max_parallel_calls={self.max_parallel_calls}: must be >= 1")
+        need(p, self.max_tool_response_tokens >= 0, f"{prefix}.max_tool_response_tokens="
+             f"{self.max_tool_response_tokens}: must be >= 0 (0 = no limit)")  # fmt: skip
+        need(p, self.tool_response_truncate_side in TRUNCATE_SIDES, f"{prefix}.tool_response_truncate_side="
+             f'"{self.tool_response_truncate_side}": use one of {TRUNCATE_SIDES}')  # fmt: skip
         need(p, self.tool_parser in TOOL_PARSERS, f'{prefix}.tool_parser="{self.tool_parser}": use one of '
              f"{TOOL_PARSERS}")  # fmt: skip
         return p

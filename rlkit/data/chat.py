@@ -82,6 +82,20 @@ class ChatRenderer:
             )
         return after[later[len(ends) - 1] :]
 
+    def shortened(self, text: str, tokens: int, side: str) -> str:
+        """``text`` cut to its first (``side`` "left"), last ("right") or first and last ("middle", half each)
+        ``tokens`` tokens, the cut marked "...(truncated)"; as it is when it is no longer."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= tokens:
+            return text
+        decode = self.tokenizer.decode
+        if side == "left":
+            return decode(ids[:tokens]) + "...(truncated)"
+        if side == "right":
+            return "(truncated)..." + decode(ids[-tokens:])
+        half = tokens // 2
+        return decode(ids[:half]) + "...(truncated)..." + decode(ids[len(ids) - (tokens - half) :])
+
     def drift(self, messages: list[dict[str, Any]], ids: list[int]) -> str:
         """Where ``ids`` (a trajectory's prompt and response, token in / token out) stop matching the re-rendered
         ``messages``; "" when they match. The re-render may run on past ``ids`` (the template closes the last turn)."""

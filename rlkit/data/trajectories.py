@@ -12,8 +12,10 @@ from typing import Any
 import pandas as pd
 import torch
 
-CALL_STATUSES = ("ok", "unparsable", "unknown_tool", "bad_arguments", "error", "timeout")
-"""A tool call's outcome; every status but "ok" gives the model an error message as the call's result."""
+CALL_STATUSES = ("ok", "unparsable", "unknown_tool", "bad_arguments", "error", "timeout", "over_limit", "not_run")
+"""A tool call's outcome; "over_limit" (past ``agent.max_parallel_calls``) and the failures give the model an error
+message as the call's result; "not_run": its result could never be shown (the trajectory's last turn, or no room
+left in its budget), so it was not run and is not a failure."""
 
 
 @dataclass(kw_only=True)
@@ -78,8 +80,13 @@ class Trajectory:
         return sum(len(t.calls) for t in self.turns)
 
     @property
+    def ran_calls(self) -> int:
+        """The calls that ran and returned (status "ok")."""
+        return sum(c.status == "ok" for t in self.turns for c in t.calls)
+
+    @property
     def failed_calls(self) -> int:
-        return sum(c.status != "ok" for t in self.turns for c in t.calls)
+        return sum(c.status not in ("ok", "not_run") for t in self.turns for c in t.calls)
 
 
 def turns_frame(

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +142,7 @@ def _run(
     wanted = logprob_prompts(len(inputs), getattr(engine, "logprob_fraction", 1.0)).repeat_interleave(params.n)
     for state, keep in zip(states, wanted.tolist(), strict=True):
         state.engine_logprobs = keep
+    smallest, shorten = _tool_result_limits(agent, renderer)
     try:
         for turn in range(limits.max_turns):
             live = [s for s in states if not s.finish]
@@ -154,14 +155,15 @@ def _run(
             # 3. append each one's sampled ids (loss mask 1, engine log-probs); no end-of-turn token ends it: "length"
             for row, state in enumerate(live):
                 _append_model_turn(state, gen, row, turn, width, renderer)
-            acting = [s for s in live if not s.finish]
-            # 4. the turn's tool calls and environment steps, across trajectories, all at once
+            acting, last = [s for s in live if not s.finish], turn == limits.max_turns - 1
+            # 4. the turn's tool calls (those whose results can be shown) and environment steps, all at once
             with _timed(times, "episodes/calls"):
-                reactions = act(agent, [_turn_input(s, turn, renderer) for s in acting], runner)
+                inputs_ = [_turn_input(s, turn, renderer, not last and width - len(s.ids) > smallest) for s in acting]
+                reactions = act(agent, inputs_, runner, shorten)
             # 5. append each reaction's ids (loss mask 0), or end: answered, env_error, max_turns, budget
             with _timed(times, "episodes/render"):
                 for state, reaction in zip(acting, reactions, strict=True):
-                    _append_reaction(state, reaction, renderer, turn, last=turn == limits.max_turns - 1, width=width)
+                    _append_reaction(state, reaction, renderer, turn, last=last, width=width)
     finally:
         with _timed(times, "episodes/calls"):
             _close(states, runner, limits.call_timeout)
@@ -262,13 +264,26 @@ def _append_model_turn(state: _Open, gen: Generation, row: int, turn: int, width
         state.end("length")
 
 
-def _turn_input(state: _Open, turn: int, renderer: ChatRenderer) -> TurnInput:
+def _tool_result_limits(agent: Agent, renderer: ChatRenderer) -> tuple[int, Callable[[str], str]]:
+    """The tokens an empty tool result takes with the next generation prompt (no room for one more: a turn's
+    calls are not run), and how a tool's result is cut to ``agent.max_tool_response_tokens``."""
+    limits = agent.limits
+    smallest = len(renderer.observation_ids([{"role": "tool", "name": "", "content": ""}])) + 1 if agent.tools else 0
+    if not limits.max_tool_response_tokens:
+        return smallest, str
+    return smallest, functools.partial(
+        renderer.shortened, tokens=limits.max_tool_response_tokens, side=limits.tool_response_truncate_side
+    )
+
+
+def _turn_input(state: _Open, turn: int, renderer: ChatRenderer, can_show: bool) -> TurnInput:
     """What the calls of ``state``'s last model turn see: its text (special tokens kept: a parser may need them)
-    and, for the environment, the same text without them."""
+    and, for the environment, the same text without them; ``can_show``: whether tool results can still be shown."""
     last = state.turns[-1]
     model_ids = [i for i in state.ids[last.start : last.end] if i != renderer.stop_id]
     clean = renderer.tokenizer.decode(model_ids, skip_special_tokens=True)
-    return TurnInput(name=f"{state.name}, turn {turn}", text=last.text, clean=clean, environment=state.environment)
+    return TurnInput(name=f"{state.name}, turn {turn}", text=last.text, clean=clean, environment=state.environment,
+                     can_show=can_show)  # fmt: skip
 
 
 def _append_reaction(
@@ -342,7 +357,7 @@ def _log_failures(states: list[_Open], trajectories: list[Trajectory]) -> None:
         for s, t in zip(states, trajectories, strict=True)
         for turn in t.turns
         for j, c in enumerate(turn.calls)
-        if c.status != "ok"
+        if c.status not in ("ok", "not_run")
     ]
     if failures:
         shown = "\n  ".join(failures[:5])

@@ -65,7 +65,7 @@ def trajectory_metrics(batch: Batch) -> dict[str, float]:
     return {
         "agent/turns/mean": sum(len(t.turns) for t in trajectories) / count,
         "agent/tool_calls/mean": calls / count,
-        "agent/tool_use_frac": sum(t.tool_calls > t.failed_calls for t in trajectories) / count,  # a call that ran
+        "agent/tool_use_frac": sum(t.ran_calls > 0 for t in trajectories) / count,
         "agent/failed_calls_frac": sum(t.failed_calls for t in trajectories) / max(calls, 1),
         "agent/env_reward/mean": sum(t.env_reward for t in trajectories) / count,
         "agent/env_errors": float(reasons[ENV_ERROR]),
