@@ -32,6 +32,7 @@ SCRIPTS = {
     "guess": ["50", "25", "37"],
     "think_calc": ["<think>\nuse the tool\n</think>\n\n" + CALL.format(name="calculator", args='{"expression": "6*7"}'),
                    "<think>\nread it\n</think>\n\n42"],
+    "tally": [CALL.format(name="add", args='{"amount": 2}'), CALL.format(name="add", args='{"amount": 3}'), "done"],
     "count": [CALL.format(name="count_to", args='{"n": 40}'), "done"],
     "async_calc": [CALL.format(name="async_calculator", args=json.dumps({"expression": "6*7"})), "42"],
 }
@@ -55,6 +56,28 @@ def count_to(n: int) -> str:
         n: how far.
     """
     return " ".join(str(i) for i in range(n))
+
+
+class Tally:
+    """An environment whose methods are the tools (TRL's environment_factory): each trajectory's own tally."""
+
+    def reset(self, **fields) -> None:
+        self.total = 0
+
+    def add(self, amount: int) -> str:
+        """Add to the tally.
+
+        Args:
+            amount: how much.
+        """
+        self.total += amount
+        return str(self.total)
+
+    async def get_reward(self) -> float:
+        return float(self.total)
+
+    def _helper(self) -> None:
+        """Not a tool (private)."""
 
 
 def broken(x: int) -> str:

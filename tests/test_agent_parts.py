@@ -15,6 +15,7 @@ from agent_cases import (
     SCRIPTS,
     EchoProcess,
     ScriptedEngine,
+    Tally,
     async_calculator,
     broken,
     count_to,
@@ -24,7 +25,7 @@ from agent_cases import (
 from rlkit.algos import loss_weights
 from rlkit.config.agent import AgentConfig
 from rlkit.data.agent_tasks import GuessNumber, calculator
-from rlkit.data.agents import Agent
+from rlkit.data.agents import Agent, agent_tools
 from rlkit.data.chat import ChatRenderer
 from rlkit.data.tools import make_tools, parse_hermes, parse_mistral
 from rlkit.models import load_tokenizer
@@ -41,7 +42,7 @@ def tokenizer():
 
 def episodes(tokenizer, scripts: list[str], *, tools=(calculator,), environment=None, width: int = 90, **limits):
     """run_episodes on the scripted engine: one trajectory per script name, each prompt "<name>" as a user message."""
-    made, problems = make_tools(list(tools))
+    made, problems = agent_tools(list(tools), environment)
     assert not problems
     agent = Agent(tuple(made), environment, AgentConfig(**{"call_timeout": 1.0, **limits}))
     renderer = ChatRenderer(tokenizer, agent.schemas)
@@ -332,6 +333,19 @@ def test_async_tools_are_awaited_and_an_async_environment_keeps_its_subprocess_a
             os.kill(int(pid), 0)
 
 
+def test_an_environment_whose_methods_are_the_tools_keeps_state_per_trajectory(tokenizer):
+    """TRL's environment_factory: an environment without step offers its public methods as tools, each trajectory
+    calling its own instance; get_reward, once the trajectory is over, is its last turn's reward."""
+    tools, problems = agent_tools([calculator], Tally)
+    assert problems == [] and [t.name for t in tools] == ["calculator", "add"]
+    assert tools[1].schema["function"]["parameters"]["required"] == ["amount"], "self is not a parameter"
+    out, _, _, _ = episodes(tokenizer, ["tally", "tally"], tools=(), environment=Tally, width=200)
+    for trajectory in out.trajectories:
+        assert [[c.result for c in t.calls] for t in trajectory.turns] == [["2"], ["5"], []], "one tally each"
+        assert trajectory.finish_reason == "stop" and trajectory.env_reward == 5.0
+        assert trajectory.turns[-1].reward == 5.0
+
+
 def test_a_failing_environment_ends_its_trajectory_named_and_kept(tokenizer):
     out, _, _, _ = episodes(tokenizer, ["guess", "guess"], tools=(), environment=BrokenStep, max_turns=4)
     assert out.finish_reason == ["env_error", "env_error"]
@@ -397,7 +411,7 @@ def test_tools_and_environment_from_a_toml_are_checked_before_launch(tokenizer, 
     problems = "\n".join(caught.value.problems)
     assert 'tools[1].function="' in problems and "nowhere.py" in problems and "fix the path" in problems
     assert "tool undocumented: no JSON schema" in problems
-    assert "environment NoStep has no step method" in problems
+    assert "environment NoStep needs reset(self, **fields), and step(self, text)" in problems
     config = write_run(tmp_path, "my_env.py:Counter", ["my_tools.py:add"])
     run = load_run_data(config, tokenizer)
     assert run.agent is not None and [t.name for t in run.agent.tools] == ["add"]

@@ -1,13 +1,20 @@
 """Environments: plain Python objects a model plays turns against, one per trajectory.
 
 An environment has ``reset(**fields)`` (the prompt row's fields, e.g. ``secret=...``; its return value
-is ignored) and ``step(text) -> (observation, reward, done)``: ``text`` is the model's turn (special tokens
-dropped), ``observation`` the reply the model reads next (a user message), ``reward`` this turn's reward and
-``done`` whether the episode is over; and optionally ``close()``, called once the trajectory is over (and the
-rollout's other trajectories too), to release what ``reset`` opened. Any of them may be ``async``: a worker runs
-all of them on one event loop (:class:`rlkit.rollout.calls.CallRunner`), so a subprocess or client opened in
-``reset`` can be used in every ``step`` and ended in ``close``. The run is given the class (or any callable that
-makes a fresh one); each trajectory gets its own instance, so no state is shared.
+is ignored) and either ``step(text) -> (observation, reward, done)`` or tools:
+
+- ``step``: ``text`` is the model's turn (special tokens dropped), ``observation`` the reply the model reads
+  next (a user message), ``reward`` this turn's reward and ``done`` whether the episode is over.
+- tools (TRL's ``environment_factory``): a class without ``step`` offers its public methods (type hints and an
+  ``Args:`` docstring, as tool functions) as tools; each trajectory calls its own instance, so a tool can keep
+  a sandbox, a browser page or a game's state. The episode ends when the model answers without a call.
+
+Optionally ``get_reward()``, called once the trajectory is over (its value joins the last turn's reward), and
+``close()``, called after it, to release what ``reset`` opened. Any of them may be ``async``: a worker runs all
+of them on one event loop (:class:`rlkit.rollout.calls.CallRunner`), so a subprocess or client opened in
+``reset`` can be used in every ``step`` or tool call and ended in ``close``. The run is given the class (or any
+callable that makes a fresh one; only a class can offer tools); each trajectory gets its own instance, so no
+state is shared.
 """
 
 from __future__ import annotations
@@ -41,17 +48,36 @@ class EnvStep(NamedTuple):
     done: bool
 
 
+RESERVED = ("reset", "step", "close", "get_reward")
+"""An environment's methods that are never tools."""
+
+
+def tool_methods(cls: type) -> list[Callable[..., Any]]:
+    """The methods of an environment class without ``step`` that are its tools: the public ones it defines or
+    inherits (not ``reset``, ``close``, ``get_reward``), in the order they are defined; none for a class with
+    ``step``."""
+    if callable(getattr(cls, "step", None)):
+        return []
+    members: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # object's last: a subclass's definition wins
+        members.update(vars(klass))
+    return [m for name, m in members.items() if inspect.isfunction(m) and not name.startswith("_") and name not in
+            RESERVED]  # fmt: skip
+
+
 def environment_problems(factory: Any) -> list[str]:
-    """Why ``factory`` cannot make environments: not callable, or (a class) without ``reset`` and ``step``."""
+    """Why ``factory`` cannot make environments: not callable, or (a class) without ``reset``, or without both
+    ``step`` and tool methods."""
     if not callable(factory):
         return [f"environment is a {type(factory).__name__}: give a class (or a function returning an instance)"]
-    if inspect.isclass(factory):
-        missing = [m for m in ("reset", "step") if not callable(getattr(factory, m, None))]
-        if missing:
-            return [
-                f"environment {factory.__qualname__} has no {' and no '.join(missing)} method: give it "
-                "reset(self, **fields) and step(self, text) -> (observation, reward, done)"
-            ]
+    if not inspect.isclass(factory):
+        return []
+    acts = callable(getattr(factory, "step", None)) or bool(tool_methods(factory))
+    if not (callable(getattr(factory, "reset", None)) and acts):
+        return [
+            f"environment {factory.__qualname__} needs reset(self, **fields), and step(self, text) -> (observation, "
+            "reward, done) or public methods the model calls as tools (with type hints and an Args: docstring)"
+        ]
     return []
 
 
@@ -77,9 +103,8 @@ def _trial(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> st
         return (f"environment {name}: making one raised {type(exc).__name__}: {exc}; `environment` names a "
                 "class with reset(self, **fields) and step(self, text), or a function of no arguments returning "
                 "one")  # fmt: skip
-    missing = [m for m in ("reset", "step") if not callable(getattr(environment, m, None))]
-    if missing:
-        return f"environment {name}: what it makes ({type(environment).__name__}) has no {' and no '.join(missing)}"
+    if not callable(getattr(environment, "reset", None)):
+        return f"environment {name}: what it makes ({type(environment).__name__}) has no reset method"
     try:
         asyncio.run(_reset_and_close(environment, fields))
     except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported

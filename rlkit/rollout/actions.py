@@ -67,9 +67,10 @@ def act(
             tool = agent.tool(parsed_call.name)
             arguments = parsed_call.arguments or {}
             if not parsed_call.error and tool is not None and not argument_problem(tool, arguments):
-                jobs.append(_tool_job(tool.fn, arguments))
+                fn = getattr(turn.environment, tool.name) if tool.method else tool.fn  # a method: this one's own
+                jobs.append(_tool_job(fn, arguments))
                 owners.append((i, j))
-        if not calls and turn.environment is not None:
+        if not calls and callable(getattr(turn.environment, "step", None)):
             jobs.append(_step_job(turn.environment, turn.clean))
             owners.append((i, -1))
     outcomes = dict(zip(owners, runner.run_all(jobs, agent.limits.call_timeout), strict=True))

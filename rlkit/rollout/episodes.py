@@ -166,7 +166,7 @@ def _run(
                     _append_reaction(state, reaction, renderer, turn, last=last, width=width)
     finally:
         with _timed(times, "episodes/calls"):
-            _close(states, runner, limits.call_timeout)
+            _finish_environments(states, runner, limits.call_timeout)
     # 6. the drift check against each re-rendered conversation, then the tensors
     with _timed(times, "episodes/render"):
         trajectories = [_trajectory(s, renderer) for s in states]
@@ -211,15 +211,32 @@ async def _fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> Environ
     return environment
 
 
-def _close(states: list[_Open], runner: CallRunner, timeout: float) -> None:
-    """Every environment's ``close()`` (those that have one), at once on the runner's loop; a failure is logged."""
-    closers = {s.name: getattr(s.environment, "close", None) for s in states}
-    closing = [s for s in states if callable(closers[s.name])]
-    jobs = [functools.partial(call, closers[s.name]) for s in closing]
-    for state, outcome in zip(closing, runner.run_all(jobs, timeout), strict=True):
+def _finish_environments(states: list[_Open], runner: CallRunner, timeout: float) -> None:
+    """Every environment's ``get_reward()`` (its value joins the last turn's reward; a failure ends the trajectory
+    with env_error) and ``close()`` (a failure is logged), those it has, all at once on the runner's loop."""
+    opened = [s for s in states if s.environment is not None]
+    outcomes = runner.run_all([functools.partial(_final, s.environment, s.name) for s in opened], timeout)
+    for state, outcome in zip(opened, outcomes, strict=True):
         if outcome.timed_out or outcome.error is not None:
             why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)
-            logger.warning("%s: the environment's close failed: %s", state.name, why)
+            if not state.error:
+                state.error = f"{state.name}: the environment's get_reward or close failed: {why}"
+                state.end("env_error")
+        elif outcome.value is not None and state.turns:
+            state.turns[-1].reward += float(outcome.value)
+
+
+async def _final(environment: Environment, name: str) -> float | None:
+    """``environment.get_reward()`` (None without one), then ``environment.close()`` (a failure is logged), each
+    awaited when async."""
+    get_reward, close = getattr(environment, "get_reward", None), getattr(environment, "close", None)
+    reward = await call(get_reward) if callable(get_reward) else None
+    if callable(close):
+        try:
+            await call(close)
+        except Exception as exc:  # noqa: BLE001 - the episode is over: a failed close is reported, not fatal
+            logger.warning("%s: the environment's close failed: %s: %s", name, type(exc).__name__, exc)
+    return reward
 
 
 def _generate(
