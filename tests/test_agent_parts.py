@@ -466,7 +466,8 @@ def test_an_environment_is_reset_on_a_row_of_the_data_before_launch(tokenizer):
     with pytest.raises(ConfigError, match="environment answer_reward: making one raised TypeError"):
         load_run_data(config, tokenizer, prompts=rows, environment=answer_reward)
     renamed = [{**rows[0], "secret": "37"}]
-    assert load_run_data(config, tokenizer, prompts=renamed, environment=EchoProcess).agent is not None
+    run = load_run_data(config, tokenizer, prompts=renamed, environment=EchoProcess)
+    assert "rewards: environment x 1" in run.summary(), "no reward model: the environment's rewards"
 
 
 def batch_ending(reasons: list[str]):
@@ -507,6 +508,33 @@ def test_env_errors_leave_the_loss_are_counted_and_fail_a_step_where_most_hit_th
     failure = env_error_failure(batch_ending(["env_error", "stop", "env_error", "env_error"]))
     assert failure.startswith("3 of 4 trajectories ended with env_error (their environment raised or timed out)")
     assert "trajectory 0, turn 0: the environment's step failed: KeyError: 'x'" in failure
+
+
+def test_a_run_keeps_whole_trajectories_in_its_samples_and_report_and_prints_agent_figures(tokenizer, tmp_path):
+    """`rlkit train`'s samples/*.jsonl hold every turn (text, calls and results, observation, reward, finish), the
+    report shows each whole conversation, and the step line the agent's figures."""
+    from rlkit.cli.lines import rl_lines
+    from rlkit.report import _samples_html
+    from rlkit.trainer.outputs import read_samples, write_samples
+
+    out, _, _, _ = episodes(tokenizer, ["calc", "answer"])
+    batch = batch_ending(out.finish_reason)
+    batch.trajectories = out.trajectories
+    write_samples(tmp_path, 1, batch.to_pandas())
+    table = read_samples(tmp_path)[1]
+    turns = table["trajectory"][0]
+    assert [t["turn"] for t in turns] == [0, 1] and [t["finish"] for t in turns] == ["tool_calls", "stop"]
+    assert turns[0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "6*7"}, "status": "ok",
+                                       "result": "42"}]  # fmt: skip
+    assert turns[0]["observation"] == "42" and turns[1]["text"] == "42"
+    assert [m["role"] for m in table["messages"][0]] == ["user", "assistant", "tool", "assistant"]
+    page = _samples_html({1: table})
+    assert "assistant: &lt;tool_call&gt;" in page and "<br>tool: 42<br>assistant: 42" in page
+    lines = rl_lines(["answer", "environment"], agent=True)
+    row = {"step": 3, "agent/turns/mean": 1.5, "agent/tool_use_frac": 0.25, "agent/failed_calls_frac": 0.1,
+           "agent/env_errors": 2.0}  # fmt: skip
+    assert "turns tools failed env_err" in " ".join(lines.header().split())
+    assert "1.50  0.25   0.10       2" in lines.line(row)
 
 
 def test_tools_and_environments_that_cannot_be_pickled_are_named_before_launch(tokenizer):

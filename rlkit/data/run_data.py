@@ -47,7 +47,9 @@ class RunData:
 
     def summary(self) -> str:
         """Lines for a person: each split's report and the reward terms with their weights."""
-        terms = ", ".join(f"{t.name} x {t.weight:g}" for t in self.rewards) or "the reward model alone"
+        environment = self.agent is not None and self.agent.environment is not None
+        named = [f"{t.name} x {t.weight:g}" for t in self.rewards] + (["environment x 1"] if environment else [])
+        terms = ", ".join(named) or "the reward model alone"
         lines = [*(r.summary() for r in self.reports), f"rewards: {terms}"]
         if self.agent is not None:
             factory = self.agent.environment

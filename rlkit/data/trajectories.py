@@ -70,6 +70,24 @@ class Trajectory:
     drift: str = ""
     """Where the token-in/token-out ids differ from the re-rendered conversation ("" when they agree)."""
 
+    def records(self) -> list[dict[str, Any]]:
+        """Each turn as plain data (what a run's ``samples/*.jsonl`` keep): its index, the model's text, its tool
+        calls (name, arguments, status, result), the observation that answered it, its reward and how it ended;
+        the trajectory's error on its last turn."""
+        return [
+            {
+                "turn": turn.index,
+                "text": turn.text,
+                "tool_calls": [{"name": c.name, "arguments": c.arguments, "status": c.status, "result": c.result}
+                               for c in turn.calls],  # fmt: skip
+                "observation": turn.observation,
+                "reward": turn.reward,
+                "finish": turn.finish,
+                **({"error": self.error} if self.error and turn is self.turns[-1] else {}),
+            }
+            for turn in self.turns
+        ]
+
     @property
     def env_reward(self) -> float:
         """The environment's rewards summed over the turns."""
