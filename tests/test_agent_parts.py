@@ -401,6 +401,54 @@ def write_run(folder, environment: str, tools: list[str]):
     return config_from_toml(folder / "run.toml")
 
 
+def test_a_new_users_mistakes_are_named_with_their_fix(tokenizer, tmp_path):
+    """[tools] for [[tools]], tools=calculator for tools=[calculator], [agent] without tools or an environment,
+    turn_rewards with a group estimator, and tools on the tiny model: each a message naming the fix."""
+    from rlkit.config import ConfigError, GRPOConfig, config_from_toml
+    from rlkit.data import load_run_data
+    from rlkit.data.agent_tasks import answer_reward as add
+    from rlkit.models.tiny import TINY_MODEL_DIR
+
+    (tmp_path / "run.toml").write_text('model = "tiny-agent"\n[tools]\nfunction = "my_tools.py:add"\n')
+    with pytest.raises(ConfigError, match=r"tools is one table where a list is expected: in TOML write \[\[tools\]\]"):
+        config_from_toml(tmp_path / "run.toml")
+    with pytest.raises(ConfigError, match=r"tools=calculator: give a list of functions, tools=\[calculator\]"):
+        load_run_data(GRPOConfig(model="tiny-agent"), tokenizer, tools=calculator)
+    rows = [{"prompt": "1+1", "answer": "2"}]
+    with pytest.raises(ConfigError, match=r"\[agent\] is set, but the run has no tools and no environment"):
+        load_run_data(GRPOConfig(model="tiny", agent={"max_turns": 2}), tokenizer, prompts=rows, reward_fn=add)
+    with pytest.raises(ConfigError, match='agent.turn_rewards = true with advantage="grpo": a group estimator'):
+        GRPOConfig(agent={"turn_rewards": True})
+    with pytest.raises(ConfigError, match='model="tiny" has no chat template for tools .* use model="tiny-agent"'):
+        load_run_data(GRPOConfig(model="tiny"), load_tokenizer(TINY_MODEL_DIR), prompts=rows, tools=[calculator],
+                      reward_fn=add)  # fmt: skip
+
+
+def test_a_tool_file_imports_the_modules_beside_it_and_they_travel_with_it(tmp_path):
+    """As Python runs a script: the file's folder is on the path while it imports, and what it imports from there
+    travels to the workers by value with its functions (a process that cannot see the folder runs them)."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    from rlkit.data.named_rewards import resolve_object
+
+    (tmp_path / "helpers_beside.py").write_text("def double(x):\n    return 2 * x\n")
+    (tmp_path / "tools_file.py").write_text('from helpers_beside import double\n\n\ndef twice(x: int) -> int:\n'
+                                            '    """Twice.\n\n    Args:\n        x: a number.\n    """\n'
+                                            "    return double(x)\n")  # fmt: skip
+    fn, problem = resolve_object("tools_file.py:twice", tmp_path, {})
+    assert problem == "" and fn(2) == 4
+    worker = "import cloudpickle, sys; print(cloudpickle.loads(sys.stdin.buffer.read())(3))"
+    done = subprocess.run([sys.executable, "-c", worker], input=cloudpickle.dumps(fn), capture_output=True,
+                          cwd="/", timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == b"6"
+    (tmp_path / "broken_file.py").write_text("import nowhere_to_be_found\n")
+    _, problem = resolve_object("broken_file.py:f", tmp_path, {})
+    assert "No module named 'nowhere_to_be_found'" in problem and "PYTHONPATH" in problem
+
+
 def test_tools_and_environment_from_a_toml_are_checked_before_launch(tokenizer, tmp_path):
     from rlkit.config import ConfigError
     from rlkit.data import load_run_data

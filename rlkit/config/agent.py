@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from rlkit.config.checks import need
 
 TOOL_PARSERS = ("hermes", "mistral")
+TOKEN_ESTIMATORS = ("reinforce++", "gae")
+"""The advantage estimators that read rewards per token (``turn_rewards`` places an environment's per turn)."""
 TRUNCATE_SIDES = ("left", "right", "middle")
 """Which part of a long tool result is kept (verl's ``tool_response_truncate_side``): its start, its end, or both."""
 """How tool calls are read from a model turn (``agent.tool_parser``), see :mod:`rlkit.data.tools`."""

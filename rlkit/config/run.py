@@ -12,7 +12,7 @@ from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
 from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.algos.losses import POLICY_LOSSES
-from rlkit.config.agent import AgentConfig, ToolSpec
+from rlkit.config.agent import TOKEN_ESTIMATORS, AgentConfig, ToolSpec
 from rlkit.config.checks import ConfigError, need
 from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
@@ -357,6 +357,10 @@ class RLConfig:
         where, _, name = self.environment.rpartition(":")
         need(p, not self.environment or (where.strip() != "" and name.strip() != ""),
              f'environment="{self.environment}": write "my_env.py:GuessNumber" or "package.module:GuessNumber"')
+        per_token = not self.agent.turn_rewards or self.advantage in TOKEN_ESTIMATORS
+        need(p, per_token, f'agent.turn_rewards = true with advantage="{self.advantage}": a group estimator sees each '
+             "trajectory's summed reward, so the rewards per turn would change nothing; use advantage in "
+             f"{TOKEN_ESTIMATORS}, or leave turn_rewards off")  # fmt: skip
         budget = self.rollout.max_new_tokens
         need(p, self.agent.max_turn_tokens <= budget, f"agent.max_turn_tokens={self.agent.max_turn_tokens}: must be "
              f"at most the trajectory's budget, rollout.max_new_tokens={budget}")  # fmt: skip

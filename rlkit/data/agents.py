@@ -76,7 +76,11 @@ def collect_agent(
     problems += tool_problems + (environment_problems(environment) if environment is not None else [])
     problems += _pickle_problems(made, environment)
     agent = Agent(tuple(made), environment, config.agent)
-    problems += ChatRenderer(tokenizer, agent.schemas).problems()
+    if config.model == "tiny":
+        problems.append('model="tiny" has no chat template for tools or environments (it writes plain text): use '
+                        'model="tiny-agent", the bundled model trained to call tools and play turns')  # fmt: skip
+    else:
+        problems += ChatRenderer(tokenizer, agent.schemas).problems()
     if config.rollout.tensor_parallel_size > 1:
         problems.append(f"rollout.tensor_parallel_size={config.rollout.tensor_parallel_size} with tools or an "
                         "environment: the ranks of a tensor-parallel engine would need the same number of turns; "

@@ -85,9 +85,18 @@ def load_run_data(
     Raises:
         ConfigError: every problem of the data and the rewards at once, each naming the setting and the fix.
     """
+    if tools is not None and not isinstance(tools, list | tuple):
+        from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
+
+        name = getattr(tools, "__name__", type(tools).__name__)
+        raise ConfigError([f"tools={name}: give a list of functions, tools=[{name}]"])
     if prompts is None and not config.data.train_files and config.model == "tiny-agent":
         prompts, tools, reward_fn = _bundled_agent_task(config, tools, environment, reward_fn)
     agent, problems = collect_agent(config, tokenizer, base_dir=base_dir, tools=tools, environment=environment)
+    if agent is None and config.agent != type(config.agent)():
+        problems.append("[agent] is set, but the run has no tools and no environment, so it would run single-turn: "
+                        "add [[tools]] or environment (Trainer(tools=[...]) or Trainer(environment=...)), or remove "
+                        "[agent]")  # fmt: skip
     schemas = None if agent is None else agent.schemas
     train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas)
     problems += train_problems
