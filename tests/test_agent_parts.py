@@ -33,6 +33,7 @@ from rlkit.models.tiny import TINY_AGENT_DIR
 from rlkit.rollout.base import SamplingParams
 from rlkit.rollout.calls import CallRunner, call
 from rlkit.rollout.episodes import EpisodeInput, run_episodes
+from rlkit.trainer.agentic import failure_summary
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +233,7 @@ def test_loss_weights_of_a_trajectory_count_its_model_tokens_only():
 
 def test_each_limit_and_failure_is_named_recorded_and_loses_nothing(tokenizer, caplog):
     scripts = ["slow", "broken", "garbage", "unknown", "bad_args", "loop", "ramble", "answer", "two_calls"]
-    with caplog.at_level("WARNING", logger="rlkit.rollout.episodes"):
+    with caplog.at_level("INFO", logger="rlkit.rollout.episodes"):  # every failure in the rank's log
         out, _, _, _ = episodes(tokenizer, scripts, tools=(calculator, slow, broken), max_turns=3, width=250)
     assert len(out.trajectories) == len(scripts) and out.response_ids.shape[0] == len(scripts), "nothing lost"
     by_script = dict(zip(scripts, out.trajectories, strict=True))
@@ -249,6 +250,11 @@ def test_each_limit_and_failure_is_named_recorded_and_loses_nothing(tokenizer, c
     assert "trajectory 10, turn 0, call 0 (slow): timeout" in caplog.text  # named by batch row, turn and call
     assert "trajectory 11, turn 0, call 0 (broken): error: broken raised RuntimeError" in caplog.text
     assert "trajectory 12, turn 0, call 0 (unreadable): unparsable" in caplog.text
+    assert all(r.levelname == "INFO" for r in caplog.records), "the terminal gets the step's summary only"
+    batch = batch_ending(out.finish_reason)
+    batch.trajectories = out.trajectories
+    assert failure_summary(batch) == ("5 of 9 tool calls failed (1 bad_arguments, 1 error, 1 timeout, 1 unknown_tool, "
+                                      "1 unparsable): details in the rank logs and batch.turns_frame()")  # fmt: skip
 
 
 def test_tool_calls_past_the_limits_are_not_run_and_long_results_are_cut(tokenizer):

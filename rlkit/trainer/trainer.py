@@ -157,6 +157,8 @@ class Trainer(PolicyTrainerBase):
         if failure := agentic.env_error_failure(batch):
             self.last_batch = batch
             raise RuntimeError(failure)
+        if failures := agentic.failure_summary(batch):
+            logger.warning("rollout: %s", failures)
         if self._critic is not None:
             values = self._critic.call(
                 CriticWorker.values,
