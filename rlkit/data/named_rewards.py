@@ -172,8 +172,8 @@ def _import_file(path: Path, modules: dict[Path, ModuleType]) -> tuple[ModuleTyp
 
 def _beside(names: set[str], folder: Path) -> list[ModuleType]:
     """The modules of ``names`` whose files lie in ``folder`` (or below it)."""
-    found = [sys.modules[n] for n in sorted(names) if n in sys.modules]
-    return [m for m in found if getattr(m, "__file__", None) and Path(m.__file__).resolve().is_relative_to(folder)]
+    files = [(sys.modules[n], getattr(sys.modules[n], "__file__", None)) for n in sorted(names) if n in sys.modules]
+    return [m for m, file in files if file and Path(file).resolve().is_relative_to(folder)]
 
 
 def _describe(fn: Any) -> str:

@@ -47,8 +47,8 @@ class RunData:
 
     def summary(self) -> str:
         """Lines for a person: each split's report and the reward terms with their weights."""
-        environment = self.agent is not None and self.agent.environment is not None
-        named = [f"{t.name} x {t.weight:g}" for t in self.rewards] + (["environment x 1"] if environment else [])
+        scored = self.agent is not None and self.agent.environment is not None
+        named = [f"{t.name} x {t.weight:g}" for t in self.rewards] + (["environment x 1"] if scored else [])
         terms = ", ".join(named) or "the reward model alone"
         lines = [*(r.summary() for r in self.reports), f"rewards: {terms}"]
         if self.agent is not None:

@@ -70,7 +70,7 @@ def act(
                 fn = getattr(turn.environment, tool.name) if tool.method else tool.fn  # a method: this one's own
                 jobs.append(_tool_job(fn, arguments))
                 owners.append((i, j))
-        if not calls and callable(getattr(turn.environment, "step", None)):
+        if not calls and turn.environment is not None and callable(getattr(turn.environment, "step", None)):
             jobs.append(_step_job(turn.environment, turn.clean))
             owners.append((i, -1))
     outcomes = dict(zip(owners, runner.run_all(jobs, agent.limits.call_timeout), strict=True))

@@ -214,9 +214,9 @@ async def _fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> Environ
 def _finish_environments(states: list[_Open], runner: CallRunner, timeout: float) -> None:
     """Every environment's ``get_reward()`` (its value joins the last turn's reward; a failure ends the trajectory
     with env_error) and ``close()`` (a failure is logged), those it has, all at once on the runner's loop."""
-    opened = [s for s in states if s.environment is not None]
-    outcomes = runner.run_all([functools.partial(_final, s.environment, s.name) for s in opened], timeout)
-    for state, outcome in zip(opened, outcomes, strict=True):
+    opened = [(s, s.environment) for s in states if s.environment is not None]
+    outcomes = runner.run_all([functools.partial(_final, environment, s.name) for s, environment in opened], timeout)
+    for (state, _), outcome in zip(opened, outcomes, strict=True):
         if outcome.timed_out or outcome.error is not None:
             why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)
             if not state.error:
