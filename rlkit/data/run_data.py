@@ -85,18 +85,10 @@ def load_run_data(
     Raises:
         ConfigError: every problem of the data and the rewards at once, each naming the setting and the fix.
     """
-    if tools is not None and not isinstance(tools, list | tuple):
-        from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
-
-        name = getattr(tools, "__name__", type(tools).__name__)
-        raise ConfigError([f"tools={name}: give a list of functions, tools=[{name}]"])
+    _check_tools_list(tools)
     if prompts is None and not config.data.train_files and config.model == "tiny-agent":
         prompts, tools, reward_fn = _bundled_agent_task(config, tools, environment, reward_fn)
     agent, problems = collect_agent(config, tokenizer, base_dir=base_dir, tools=tools, environment=environment)
-    if agent is None and config.agent != type(config.agent)():
-        problems.append("[agent] is set, but the run has no tools and no environment, so it would run single-turn: "
-                        "add [[tools]] or environment (Trainer(tools=[...]) or Trainer(environment=...)), or remove "
-                        "[agent]")  # fmt: skip
     schemas = None if agent is None else agent.schemas
     train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas)
     problems += train_problems
@@ -118,8 +110,7 @@ def load_run_data(
     if fields is None and val_report is not None:
         fields = val_report.fields
     task = prompts is None and not config.data.train_files and config.model == "tiny"
-    if agent is not None and agent.environment is not None and train is not None and not problems:
-        problems += _first_row_problems(agent, train)
+    problems += _multi_turn_problems(config, agent, None if problems else train)  # no reset on broken data
     if agent is not None and fields is not None:
         problems += _agent_field_problems(fields)
         fields = [*fields, *AGENT_FIELDS]
@@ -144,6 +135,27 @@ def _bundled_agent_task(
     tools = tools if tools or environment is not None or config.tools else [agent_tasks.calculator]
     reward_fn = reward_fn if reward_fn is not None or config.rewards else agent_tasks.answer_reward
     return prompts, tools, reward_fn
+
+
+def _check_tools_list(tools: Any) -> None:
+    """Raise ConfigError naming the fix when ``tools`` is one function (or anything but a list)."""
+    if tools is not None and not isinstance(tools, list | tuple):
+        from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
+
+        name = getattr(tools, "__name__", type(tools).__name__)
+        raise ConfigError([f"tools={name}: give a list of functions, tools=[{name}]"])
+
+
+def _multi_turn_problems(config: RLConfig, agent: Agent | None, train: PromptSource | None) -> list[str]:
+    """[agent] without tools or an environment; an environment that cannot start on the first row of ``train``
+    (None: not tried)."""
+    if agent is None and config.agent != type(config.agent)():
+        return ["[agent] is set, but the run has no tools and no environment, so it would run single-turn: add "
+                "[[tools]] or environment (Trainer(tools=[...]) or Trainer(environment=...)), or remove "
+                "[agent]"]  # fmt: skip
+    if agent is None or agent.environment is None or train is None:
+        return []
+    return _first_row_problems(agent, train)
 
 
 def _first_row_problems(agent: Agent, train: PromptSource) -> list[str]:
