@@ -18,8 +18,9 @@ from rlkit.data.batch import Batch
 from rlkit.data.trajectories import Turn
 from rlkit.widgets.rollouts import COLOURINGS, OBSERVATION_STYLE, RolloutView, token_rgba
 
-STATUS_CLASS = {"ok": "ok"}
-"""The CSS class of a tool call's status (every other status is flagged)."""
+STATUS_CLASS = {"ok": "ok", "not_run": ""}
+"""The CSS class of a tool call's status (every other status is flagged; "not_run" is no failure: its result could
+never have been shown)."""
 
 
 def turns_html(
@@ -65,7 +66,7 @@ def _token(text: str, value: float, colouring: str, scale: float) -> str:
 
 
 def _calls_html(turn: Turn) -> str:
-    """Each call as ``name(arguments) -> result`` with its status (anything but "ok" flagged)."""
+    """Each call as ``name(arguments) -> result`` with its status (failures flagged)."""
     lines = []
     for call in turn.calls:
         args = "" if call.arguments is None else ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())

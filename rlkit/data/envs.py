@@ -96,9 +96,13 @@ def reset_problems(factory: EnvironmentFactory, fields: dict[str, Any], timeout:
 
 
 def _trial(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> str:
-    """The problem of making, resetting and closing one environment ("" when there is none)."""
+    """The problem of making, resetting and closing one environment, in one event loop ("" when there is none)."""
+    return asyncio.run(_made_reset_closed(factory, fields, name))
+
+
+async def _made_reset_closed(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> str:
     try:
-        environment = asyncio.run(_resolved(factory))
+        environment = await _resolved(factory)
     except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported
         return (f"environment {name}: making one raised {type(exc).__name__}: {exc}; `environment` names a "
                 "class with reset(self, **fields) and step(self, text), or a function of no arguments returning "
@@ -106,23 +110,19 @@ def _trial(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> st
     if not callable(getattr(environment, "reset", None)):
         return f"environment {name}: what it makes ({type(environment).__name__}) has no reset method"
     try:
-        asyncio.run(_reset_and_close(environment, fields))
+        await _resolved(environment.reset, **fields)
     except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported
         return (f"environment {name}: reset(**fields) on the data's first row raised {type(exc).__name__}: {exc}; "
                 f"the rows have the fields {sorted(fields)}")  # fmt: skip
+    close = getattr(environment, "close", None)
+    if callable(close):
+        await _resolved(close)
     return ""
 
 
 async def _resolved(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     value = fn(*args, **kwargs)
     return await value if inspect.isawaitable(value) else value
-
-
-async def _reset_and_close(environment: Any, fields: dict[str, Any]) -> None:
-    await _resolved(environment.reset, **fields)
-    close = getattr(environment, "close", None)
-    if callable(close):
-        await _resolved(close)
 
 
 def checked_step(value: Any) -> EnvStep:
