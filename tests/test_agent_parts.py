@@ -48,7 +48,7 @@ def episodes(tokenizer, scripts: list[str], *, tools=(calculator,), environment=
     agent = Agent(tuple(made), environment, AgentConfig(**{"call_timeout": 1.0, **limits}))
     renderer = ChatRenderer(tokenizer, agent.schemas)
     messages = [[{"role": "user", "content": name}] for name in scripts]
-    texts = [renderer.render(m, generation_prompt=True) for m in messages]
+    texts = [renderer.render(m, generation_prompt=environment is None) for m in messages]  # as load_run_data
     enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     inputs = [EpisodeInput(messages=m, fields={"secret": "37"}) for m in messages]
     engine = ScriptedEngine(tokenizer)
@@ -350,6 +350,36 @@ def test_an_environment_whose_methods_are_the_tools_keeps_state_per_trajectory(t
         assert [[c.result for c in t.calls] for t in trajectory.turns] == [["2"], ["5"], []], "one tally each"
         assert trajectory.finish_reason == "stop" and trajectory.env_reward == 5.0
         assert trajectory.turns[-1].reward == 5.0
+
+
+class Announced(GuessNumber):
+    def reset(self, *, secret: str, **fields) -> str:
+        super().reset(secret=secret)
+        return "I picked a number"
+
+
+class GymStyle(GuessNumber):
+    def reset(self, *, secret: str, **fields) -> tuple:
+        super().reset(secret=secret)
+        return "gym-style", {}
+
+
+def test_what_reset_returns_is_the_first_observation(tokenizer):
+    """A run with an environment renders its prompts without the generation prompt; each trajectory opens with
+    reset's text as a user message (when it gives one) and the generation prompt, out of the loss."""
+    out, _, _, _ = episodes(tokenizer, ["guess"], tools=(), environment=Announced, max_turns=4)
+    trajectory = out.trajectories[0]
+    assert [m["content"] for m in trajectory.messages[:3]] == ["guess", "I picked a number", "50"]
+    start = trajectory.turns[0].start
+    opening = "<|im_start|>user\nI picked a number<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(out.response_ids[0, :start]) == opening and out.response_mask[0, :start].sum() == 0
+    assert trajectory.finish_reason == "stop" and trajectory.drift == "" and len(trajectory.turns) == 3
+    out, _, _, _ = episodes(tokenizer, ["guess"], tools=(), environment=GuessNumber, max_turns=4)
+    start = out.trajectories[0].turns[0].start
+    assert tokenizer.decode(out.response_ids[0, :start]) == "<|im_start|>assistant\n", "no observation: the turn opens"
+    out, _, _, _ = episodes(tokenizer, ["guess"], tools=(), environment=GymStyle)
+    error = out.trajectories[0].error
+    assert "reset returned ('gym-style', {}) (tuple): return the first observation as a str" in error
 
 
 def test_a_failing_environment_ends_its_trajectory_named_and_kept(tokenizer):

@@ -27,12 +27,19 @@ def turns_html(
     batch: Batch, i: int, values: torch.Tensor, colouring: str, scale: float, decode: Callable[[int], str]
 ) -> str:
     """Trajectory ``i`` as a table with a row per turn: its tokens (model: coloured; observation: grey), calls,
-    environment reward, how it ended and its mean log-prob gap."""
+    environment reward, how it ended and its mean log-prob gap; an environment's opening (its first observation
+    and the generation prompt) first."""
     assert batch.trajectories is not None
     trajectory = batch.trajectories[i]
     gap = batch.logprob_gap_tokens()
     ids = batch.input_ids[i, batch.prompt_length :]
     rows = []
+    opening = trajectory.turns[0].start if trajectory.turns else 0
+    if opening:
+        grey = "".join(f'<span style="{OBSERVATION_STYLE}">{html.escape(decode(int(ids[t])))}</span>'
+                       for t in range(opening))  # fmt: skip
+        rows.append(f'<tr><td></td><td style="text-align:left">{grey}</td><td></td><td></td><td>opening</td>'
+                    "<td></td></tr>")  # fmt: skip
     for turn in trajectory.turns:
         model = "".join(_token(decode(int(ids[t])), float(values[i, t]), colouring, scale)
                         for t in range(turn.start, turn.end))  # fmt: skip

@@ -82,6 +82,23 @@ class ChatRenderer:
             )
         return after[later[len(ends) - 1] :]
 
+    def opening_ids(self, prompt_ids: list[int], messages: list[dict[str, Any]], observation: str | None) -> list[int]:
+        """The ids that open a trajectory of a run with an environment, after its prompt (``messages`` rendered
+        without the generation prompt, as ``prompt_ids``): the environment's first observation as a user message
+        (when its reset gave one), then the generation prompt.
+
+        Raises:
+            TemplateError: the template renders the prompt differently once a message follows it.
+        """
+        extra = [{"role": "user", "content": observation}] if observation else []
+        after = self.ids([*messages, *extra], generation_prompt=True)
+        if after[: len(prompt_ids)] != prompt_ids:
+            raise TemplateError(
+                "the chat template renders the prompt differently once the environment's first observation follows "
+                f"it (first at position {first_difference(prompt_ids, after)}), so it cannot open the trajectory"
+            )
+        return after[len(prompt_ids) :]
+
     def shortened(self, text: str, tokens: int, side: str) -> str:
         """``text`` cut to its first (``side`` "left"), last ("right") or first and last ("middle", half each)
         ``tokens`` tokens, the cut marked "...(truncated)"; as it is when it is no longer."""

@@ -1,7 +1,8 @@
 """Environments: plain Python objects a model plays turns against, one per trajectory.
 
-An environment has ``reset(**fields)`` (the prompt row's fields, e.g. ``secret=...``; its return value
-is ignored) and either ``step(text) -> (observation, reward, done)`` or tools:
+An environment has ``reset(**fields)`` (the prompt row's fields, e.g. ``secret=...``; it may return the first
+observation, a str the model reads as a user message after the prompt, or None) and either
+``step(text) -> (observation, reward, done)`` or tools:
 
 - ``step``: ``text`` is the model's turn (special tokens dropped), ``observation`` the reply the model reads
   next (a user message), ``reward`` this turn's reward and ``done`` whether the episode is over.
@@ -110,7 +111,7 @@ async def _made_reset_closed(factory: EnvironmentFactory, fields: dict[str, Any]
     if not callable(getattr(environment, "reset", None)):
         return f"environment {name}: what it makes ({type(environment).__name__}) has no reset method"
     try:
-        await _resolved(environment.reset, **fields)
+        checked_observation(await _resolved(environment.reset, **fields))
     except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported
         return (f"environment {name}: reset(**fields) on the data's first row raised {type(exc).__name__}: {exc}; "
                 f"the rows have the fields {sorted(fields)}")  # fmt: skip
@@ -123,6 +124,15 @@ async def _made_reset_closed(factory: EnvironmentFactory, fields: dict[str, Any]
 async def _resolved(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     value = fn(*args, **kwargs)
     return await value if inspect.isawaitable(value) else value
+
+
+def checked_observation(value: Any) -> str | None:
+    """What an environment's reset returned, checked (the first observation, or None): raises TypeError naming what
+    is wrong."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"reset returned {value!r:.60} ({type(value).__name__}): return the first observation as a "
+                        "str, or None")  # fmt: skip
+    return value
 
 
 def checked_step(value: Any) -> EnvStep:

@@ -90,7 +90,8 @@ def load_run_data(
         prompts, tools, reward_fn = _bundled_agent_task(config, tools, environment, reward_fn)
     agent, problems = collect_agent(config, tokenizer, base_dir=base_dir, tools=tools, environment=environment)
     schemas = None if agent is None else agent.schemas
-    train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas)
+    opens = agent is None or agent.environment is None  # with an environment, the trajectories open the turn
+    train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas, opens)
     problems += train_problems
     val, val_report = None, None
     if agent is not None and (val_prompts is not None or config.data.val_files):
@@ -181,8 +182,10 @@ def _train_source(
     base_dir: str | Path | None,
     prompts: PromptInput | None,
     tools: list[Any] | None,
+    generation_prompt: bool,
 ) -> tuple[PromptSource | None, PromptReport | None, list[str] | None, list[str]]:
-    """(source, report, fields, problems); the bundled task has no report; fields are None when unknown."""
+    """(source, report, fields, problems); the bundled task has no report; fields are None when unknown;
+    ``generation_prompt``: whether the prompts end with the template's generation prompt."""
     if prompts is None and not config.data.train_files:
         if config.model == "tiny":
             return PromptSource(task=AdditionTask(), seed=config.seed), None, TASK_FIELDS, []
@@ -192,7 +195,7 @@ def _train_source(
         ]
     source, report, problems = collect_prompts(
         config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
-        base_dir=base_dir, split="train", prompts=prompts, tools=tools,
+        base_dir=base_dir, split="train", prompts=prompts, tools=tools, generation_prompt=generation_prompt,
     )
     return source, report, report.fields if report is not None else None, problems
 

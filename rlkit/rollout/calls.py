@@ -34,6 +34,15 @@ class Outcome:
     timed_out: bool = False
     seconds: float = 0.0
 
+    @property
+    def failed(self) -> bool:
+        return self.timed_out or self.error is not None
+
+    @property
+    def why(self) -> str:
+        """How it failed: "timed out after <s> s", or the exception's repr."""
+        return f"timed out after {self.seconds:g} s" if self.timed_out else repr(self.error)
+
 
 async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` from the loop: a coroutine function is awaited on it, a plain function runs on a

@@ -1,6 +1,8 @@
 """Multi-turn rollouts on one rank, token in / token out: one batched engine call per turn over the live trajectories.
 
-Each trajectory is a growing list of ids after its prompt: the engine's sampled ids of every model turn
+Each trajectory is a growing list of ids after its prompt (with an environment: first its opening, the first
+observation that reset returned and the generation prompt, which the prompt is rendered without): the engine's
+sampled ids of every model turn
 (loss mask 1, with the engine's log-probs) and, between turns, the ids of the observation that answered it
 (tool results or the environment's reply, rendered as a token delta by :class:`~rlkit.data.chat.ChatRenderer`;
 attended to, loss mask 0). The model's tokens are never decoded and re-encoded into the sequence. A turn's
@@ -25,12 +27,13 @@ from typing import Any
 import torch
 
 from rlkit.data.agents import Agent
-from rlkit.data.chat import ChatRenderer
-from rlkit.data.envs import Environment, EnvironmentFactory
+from rlkit.data.chat import ChatRenderer, TemplateError
+from rlkit.data.envs import Environment
 from rlkit.data.trajectories import Trajectory, Turn
 from rlkit.rollout.actions import Reaction, TurnInput, act
 from rlkit.rollout.base import Generation, RolloutEngine, SamplingParams, logprob_prompts
-from rlkit.rollout.calls import CallRunner, call
+from rlkit.rollout.calls import CallRunner
+from rlkit.rollout.environments import final, fresh
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,8 @@ class _Open:
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
     environment: Environment | None = None
+    observation: str | None = None
+    """What the environment's reset returned: the first observation, or None."""
     ids: list[int] = field(default_factory=list)
     model: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -138,6 +143,8 @@ def _run(
     # 1. a trajectory per prompt and sample: its prompt's ids and messages, a fresh environment reset with its fields
     with _timed(times, "episodes/calls"):
         states = _start(agent, inputs, prompt_ids, prompt_mask, params.n, first_row, runner)
+    if agent.environment is not None:
+        _open(states, renderer, width)
     # whole groups of trajectories carry the engine's log-probs, at every turn (vLLM's share; HF generate: all)
     wanted = logprob_prompts(len(inputs), getattr(engine, "logprob_fraction", 1.0)).repeat_interleave(params.n)
     for state, keep in zip(states, wanted.tolist(), strict=True):
@@ -194,49 +201,46 @@ def _start(
     if factory is None:
         return states
     fields = [item.fields for item in inputs for _ in range(n)]
-    jobs = [functools.partial(_fresh, factory, f) for f in fields]
+    jobs = [functools.partial(fresh, factory, f) for f in fields]
     for state, outcome in zip(states, runner.run_all(jobs, agent.limits.call_timeout), strict=True):
-        if outcome.timed_out or outcome.error is not None:
-            why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)
-            state.error = f"{state.name}: the environment's reset failed: {why}"
+        if outcome.failed:
+            state.error = f"{state.name}: the environment's reset failed: {outcome.why}"
             state.end("env_error")
         else:
-            state.environment = outcome.value
+            state.environment, state.observation = outcome.value
     return states
 
 
-async def _fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> Environment:
-    environment = await call(factory)
-    await call(environment.reset, **fields)
-    return environment
+def _open(states: list[_Open], renderer: ChatRenderer, width: int) -> None:
+    """Open the trajectories of a run with an environment (whose prompts end without the generation prompt): the
+    first observation, when reset gave one, as a user message, and the generation prompt (loss mask 0)."""
+    for state in states:
+        if state.finish:
+            continue
+        try:
+            ids = renderer.opening_ids(state.prompt_ids, state.messages, state.observation)
+        except TemplateError as exc:
+            state.error = f"{state.name}: {exc}"
+            state.end("env_error")
+            continue
+        if len(ids) + 1 > width:  # the opening and one model token must fit
+            state.end("budget")
+            continue
+        state.messages += [{"role": "user", "content": state.observation}] if state.observation else []
+        state.extend(ids, model=False, turn=0)
 
 
 def _finish_environments(states: list[_Open], runner: CallRunner, timeout: float) -> None:
     """Every environment's ``get_reward()`` (its value joins the last turn's reward; a failure ends the trajectory
     with env_error) and ``close()`` (a failure is logged), those it has, all at once on the runner's loop."""
     opened = [(s, s.environment) for s in states if s.environment is not None]
-    outcomes = runner.run_all([functools.partial(_final, environment, s.name) for s, environment in opened], timeout)
+    outcomes = runner.run_all([functools.partial(final, environment, s.name) for s, environment in opened], timeout)
     for (state, _), outcome in zip(opened, outcomes, strict=True):
-        if outcome.timed_out or outcome.error is not None:
-            why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)
-            if not state.error:
-                state.error = f"{state.name}: the environment's get_reward or close failed: {why}"
-                state.end("env_error")
+        if outcome.failed and not state.error:
+            state.error = f"{state.name}: the environment's get_reward failed: {outcome.why}"
+            state.end("env_error")
         elif outcome.value is not None and state.turns:
             state.turns[-1].reward += float(outcome.value)
-
-
-async def _final(environment: Environment, name: str) -> float | None:
-    """``environment.get_reward()`` (None without one), then ``environment.close()`` (a failure is logged), each
-    awaited when async."""
-    get_reward, close = getattr(environment, "get_reward", None), getattr(environment, "close", None)
-    reward = await call(get_reward) if callable(get_reward) else None
-    if callable(close):
-        try:
-            await call(close)
-        except Exception as exc:  # noqa: BLE001 - the episode is over: a failed close is reported, not fatal
-            logger.warning("%s: the environment's close failed: %s: %s", name, type(exc).__name__, exc)
-    return reward
 
 
 def _generate(
