@@ -21,10 +21,11 @@ FINISH_REASONS = {
     "stop": "the model answered without calling a tool, or the environment ended the episode",
     "length": "a model turn ran out of tokens (agent.max_turn_tokens or the trajectory's budget) before its "
     "end-of-turn token; its text is not parsed for tool calls",
-    "max_turns": "agent.max_turns model turns were taken and the episode was not over (the last turn's tool "
-    "results or environment reply are recorded but not appended)",
+    "max_turns": "agent.max_turns model turns were taken and the episode was not over (the last turn's "
+    "environment reply is recorded but not appended; its tool calls are not run: status not_run)",
     "budget": "the next observation (tool results or the environment's reply) and one more model token do not "
-    "fit the trajectory's budget, rollout.max_new_tokens: it is recorded but not appended",
+    "fit the trajectory's budget, rollout.max_new_tokens: it is recorded but not appended (tool calls that could "
+    "not fit even an empty result are not run)",
     "env_error": "the environment raised or timed out (in reset or step); the trajectory stops there, its error "
     "names the trajectory and turn",
 }
@@ -62,9 +63,10 @@ class AgentConfig:
     max_turn_tokens: int = 0
     """Tokens one model turn may sample at most (finish reason "length"); 0: what is left of the budget."""
     call_timeout: float = 10.0
-    """Seconds a tool call or an environment's reset or step may take, > 0. A call past it gets status
-    "timeout" (the model reads an error); an environment past it ends the trajectory ("env_error"). Python
-    cannot stop a thread: the late call runs on in the background and its result is dropped."""
+    """Seconds a tool call or an environment's reset, step, get_reward or close may take, > 0. A call past it gets
+    status "timeout" (the model reads an error); an environment past it ends the trajectory ("env_error"). An
+    async call is cancelled; Python cannot stop a thread, so a plain function runs on in the background and its
+    result is dropped."""
     max_parallel_calls: int = 8
     """Tool calls of one model turn that run, >= 1 (verl's ``max_parallel_calls``); the model reads an error as the
     result of each call past it (status "over_limit")."""
