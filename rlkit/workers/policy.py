@@ -74,8 +74,6 @@ class PolicyWorker(ActorRole):
         tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         self.agent = agent
         self.renderer = None if agent is None else ChatRenderer(tokenizer, agent.schemas)
-        self.calls = None if agent is None else CallRunner()
-        """The event loop of every rollout's tool calls and environment methods on this worker."""
         self.engine = build_engine(
             config.rollout,
             self.model_dir,
@@ -89,6 +87,8 @@ class PolicyWorker(ActorRole):
             trust_remote_code=config.trust_remote_code,
             adapters=self.lora if config.rollout.lora_sync == "adapter" else None,
         )
+        self.calls = None if agent is None else CallRunner()  # after the engine: its thread is not forked with it
+        """The event loop of every rollout's tool calls and environment methods on this worker."""
         self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
         self.engine_synced_at = 0
         """The optimizer step whose weights the engine holds (it starts with the model directory's, step 0)."""
