@@ -6,6 +6,7 @@ import html
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -76,14 +77,27 @@ SAMPLE_CHARS = 300
 
 
 def _samples_html(samples: Mapping[int, pd.DataFrame]) -> str:
-    """A table per step: the text columns and the rewards of its first SAMPLE_ROWS samples."""
+    """A table per step: the text columns and the rewards of its first SAMPLE_ROWS samples (a multi-turn run's
+    whole conversation after the prompt, a message per line, instead of its last turn)."""
     parts = []
     for step, table in samples.items():
         text = [c for c in ("prompt", "completion", "chosen", "rejected", "label") if c in table]
         numbers = [c for c in table if c == "reward" or c.startswith("reward/") or c == "advantage"]
-        shown = table[text + numbers].head(SAMPLE_ROWS).map(
-            lambda v: v if not isinstance(v, str) or len(v) <= SAMPLE_CHARS else v[:SAMPLE_CHARS] + "..."
-        )
-        rows = shown.to_html(index=False, float_format="{:.3f}".format)
+        shown = table[text + numbers].head(SAMPLE_ROWS).map(_cut)
+        if "messages" in table:
+            shown["completion"] = [_conversation(m) for m in table["messages"].head(SAMPLE_ROWS)]
+        cells = shown.map(lambda v: html.escape(v).replace("\n", "<br>") if isinstance(v, str) else v)
+        rows = cells.to_html(index=False, escape=False, float_format="{:.3f}".format)
         parts.append(f"<h3>Step {step} ({len(table)} samples, the first {len(shown)} shown)</h3>{rows}")
     return "<h2>Samples</h2>" + "".join(parts) if parts else ""
+
+
+def _cut(value: Any) -> Any:
+    return value if not isinstance(value, str) or len(value) <= SAMPLE_CHARS else value[:SAMPLE_CHARS] + "..."
+
+
+def _conversation(messages: list[dict[str, Any]]) -> str:
+    """A trajectory's messages from its first assistant turn on, one "role: content" per line, each cut at
+    SAMPLE_CHARS characters."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return "\n".join(_cut(f"{m.get('role')}: {m.get('content')}".replace("\n", " ")) for m in messages[first:])

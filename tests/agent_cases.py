@@ -7,12 +7,14 @@ function of the position, so a test can check that every one landed where it bel
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 
 import torch
 
+from rlkit.data.agent_tasks import calculator
 from rlkit.rollout.base import Generation, SamplingParams
 
 CALL = '<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
@@ -28,6 +30,11 @@ SCRIPTS = {
     "loop": [CALL.format(name="calculator", args='{"expression": "1+1"}')] * 10,
     "ramble": ["1" * 300],
     "guess": ["50", "25", "37"],
+    "think_calc": ["<think>\nuse the tool\n</think>\n\n" + CALL.format(name="calculator", args='{"expression": "6*7"}'),
+                   "<think>\nread it\n</think>\n\n42"],
+    "tally": [CALL.format(name="add", args='{"amount": 2}'), CALL.format(name="add", args='{"amount": 3}'), "done"],
+    "count": [CALL.format(name="count_to", args='{"n": 40}'), "done"],
+    "async_calc": [CALL.format(name="async_calculator", args=json.dumps({"expression": "6*7"})), "42"],
 }
 """What the model writes at turn k of a trajectory whose prompt is the script's name (the last entry repeats)."""
 
@@ -42,6 +49,37 @@ def slow(seconds: float = 30.0) -> str:
     return "late"
 
 
+def count_to(n: int) -> str:
+    """Count.
+
+    Args:
+        n: how far.
+    """
+    return " ".join(str(i) for i in range(n))
+
+
+class Tally:
+    """An environment whose methods are the tools (TRL's environment_factory): each trajectory's own tally."""
+
+    def reset(self, **fields) -> None:
+        self.total = 0
+
+    def add(self, amount: int) -> str:
+        """Add to the tally.
+
+        Args:
+            amount: how much.
+        """
+        self.total += amount
+        return str(self.total)
+
+    async def get_reward(self) -> float:
+        return float(self.total)
+
+    def _helper(self) -> None:
+        """Not a tool (private)."""
+
+
 def broken(x: int) -> str:
     """Fail.
 
@@ -49,6 +87,145 @@ def broken(x: int) -> str:
         x: anything.
     """
     raise RuntimeError(f"broken was given {x}")
+
+
+QWEN3_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with \
+function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n\
+</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and \
+not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]\
+.lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + \
+'\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+"""Qwen3's chat template (Qwen3-0.6B's tokenizer_config.json; long lines split with a backslash-newline): an
+assistant turn after the last user query shows its reasoning (an empty one, ``<think>\\n\\n</think>\\n\\n``, when it
+is the last message), so the stand-in conversation renders differently once messages follow it."""
+QWEN3_THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable",
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable",
+)
+"""A thinking model's template (as Qwen3's Thinking-2507 models'): the generation prompt opens the reasoning."""
+
+
+async def async_calculator(expression: str) -> str:
+    """Work out an expression, asynchronously.
+
+    Args:
+        expression: two whole numbers joined by +, - or *.
+    """
+    await asyncio.sleep(0.01)
+    return calculator(expression)
+
+
+class EchoProcess:
+    """An async environment holding a subprocess (``cat``) from reset to close: each turn's text goes through it and
+    comes back as the observation (with the process id); the third turn ends the episode."""
+
+    async def reset(self, **fields) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            "cat", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        self.turns = 0
+
+    async def step(self, text: str) -> tuple[str, float, bool]:
+        self.process.stdin.write(text.encode() + b"\n")
+        await self.process.stdin.drain()
+        line = await asyncio.wait_for(self.process.stdout.readline(), 5)
+        self.turns += 1
+        return f"echo {line.decode().strip()} from {self.process.pid}", float(self.turns), self.turns == 3
+
+    async def close(self) -> None:
+        self.process.stdin.close()
+        await asyncio.wait_for(self.process.wait(), 5)
 
 
 class ScriptedEngine:

@@ -4,23 +4,36 @@ episode loop on a scripted engine (token in / token out, the loss mask at every 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
 import torch
-from agent_cases import SCRIPTS, ScriptedEngine, broken, slow
+from agent_cases import (
+    QWEN3_TEMPLATE,
+    QWEN3_THINKING_TEMPLATE,
+    SCRIPTS,
+    EchoProcess,
+    ScriptedEngine,
+    Tally,
+    async_calculator,
+    broken,
+    count_to,
+    slow,
+)
 
 from rlkit.algos import loss_weights
 from rlkit.config.agent import AgentConfig
 from rlkit.data.agent_tasks import GuessNumber, calculator
-from rlkit.data.agents import Agent
+from rlkit.data.agents import Agent, agent_tools
 from rlkit.data.chat import ChatRenderer
 from rlkit.data.tools import make_tools, parse_hermes, parse_mistral
 from rlkit.models import load_tokenizer
 from rlkit.models.tiny import TINY_AGENT_DIR
 from rlkit.rollout.base import SamplingParams
-from rlkit.rollout.calls import run_all
+from rlkit.rollout.calls import CallRunner, call
 from rlkit.rollout.episodes import EpisodeInput, run_episodes
+from rlkit.trainer.agentic import failure_summary
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +43,12 @@ def tokenizer():
 
 def episodes(tokenizer, scripts: list[str], *, tools=(calculator,), environment=None, width: int = 90, **limits):
     """run_episodes on the scripted engine: one trajectory per script name, each prompt "<name>" as a user message."""
-    made, problems = make_tools(list(tools))
+    made, problems = agent_tools(list(tools), environment)
     assert not problems
     agent = Agent(tuple(made), environment, AgentConfig(**{"call_timeout": 1.0, **limits}))
     renderer = ChatRenderer(tokenizer, agent.schemas)
     messages = [[{"role": "user", "content": name}] for name in scripts]
-    texts = [renderer.render(m, generation_prompt=True) for m in messages]
+    texts = [renderer.render(m, generation_prompt=environment is None) for m in messages]  # as load_run_data
     enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     inputs = [EpisodeInput(messages=m, fields={"secret": "37"}) for m in messages]
     engine = ScriptedEngine(tokenizer)
@@ -84,10 +97,14 @@ def test_tool_schema_comes_from_the_signature_and_docstring():
 
 def test_calls_run_at_once_and_a_hung_one_times_out():
     barrier, hung = threading.Barrier(3, timeout=5), threading.Event()
-    jobs = [barrier.wait] * 3 + [lambda: hung.wait(60), lambda: 1 / 0]
-    outcomes = run_all(jobs, timeout=1.0)  # the barrier only opens when the three run at the same time
+    functions = [barrier.wait] * 3 + [lambda: hung.wait(60), lambda: 1 / 0, asyncio.Event().wait]
+    runner = CallRunner()
+    try:  # the barrier only opens when the three run at the same time
+        outcomes = runner.run_all([lambda f=f: call(f) for f in functions], timeout=1.0)
+    finally:
+        runner.close()
     assert [o.error is None and not o.timed_out for o in outcomes[:3]] == [True] * 3
-    assert outcomes[3].timed_out and outcomes[3].seconds == 1.0
+    assert outcomes[3].timed_out and outcomes[3].seconds == 1.0 and outcomes[5].timed_out
     assert isinstance(outcomes[4].error, ZeroDivisionError)
     hung.set()
 
@@ -145,6 +162,31 @@ def test_templates_that_cannot_append_turns_are_named(tokenizer):
     assert ChatRenderer(tokenizer, schemas).problems() == []
 
 
+@pytest.mark.parametrize("template", [QWEN3_TEMPLATE, QWEN3_THINKING_TEMPLATE], ids=["qwen3", "thinking"])
+def test_qwen3_templates_run_tools_and_environments(template):
+    """Qwen3 writes an empty ``<think></think>`` into an assistant turn only when it is the last message, so the
+    stand-in renders differently once messages follow; what the engine sees next (the tokens after the turn's
+    <|im_end|>) is what counts. With tools and with an environment, on Qwen3's template and a thinking model's."""
+    qwen3 = load_tokenizer(TINY_AGENT_DIR)
+    qwen3.chat_template = template
+    opening = "<|im_start|>assistant\n" + ("<think>\n" if template is QWEN3_THINKING_TEMPLATE else "")
+    schemas = [make_tools([calculator])[0][0].schema]
+    assert ChatRenderer(qwen3, schemas).problems() == [] and ChatRenderer(qwen3).problems() == []
+    out, _, _, _ = episodes(qwen3, ["think_calc"], width=150)
+    trajectory = out.trajectories[0]
+    assert [(c.name, c.status, c.result) for c in trajectory.turns[0].calls] == [("calculator", "ok", "42")]
+    assert out.finish_reason == ["stop"] and len(trajectory.turns) == 2
+    assert trajectory.drift == "" or template is QWEN3_THINKING_TEMPLATE, "Qwen3 keeps the reasoning of tool turns"
+    delta = out.response_ids[0, trajectory.turns[0].end : trajectory.turns[0].observation_end].tolist()
+    assert qwen3.decode(delta) == f"\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n{opening}"
+    out, _, _, _ = episodes(qwen3, ["guess"], tools=(), environment=GuessNumber, max_turns=4)
+    trajectory = out.trajectories[0]
+    assert out.finish_reason == ["stop"] and [t.observation for t in trajectory.turns] == ["lower", "higher", "correct"]
+    first = trajectory.turns[0]
+    delta = out.response_ids[0, first.end : first.observation_end].tolist()
+    assert qwen3.decode(delta) == f"\n<|im_start|>user\nlower<|im_end|>\n{opening}"
+
+
 # -- the episode loop -----------------------------------------------------------------------------
 
 
@@ -191,7 +233,7 @@ def test_loss_weights_of_a_trajectory_count_its_model_tokens_only():
 
 def test_each_limit_and_failure_is_named_recorded_and_loses_nothing(tokenizer, caplog):
     scripts = ["slow", "broken", "garbage", "unknown", "bad_args", "loop", "ramble", "answer", "two_calls"]
-    with caplog.at_level("WARNING", logger="rlkit.rollout.episodes"):
+    with caplog.at_level("INFO", logger="rlkit.rollout.episodes"):  # every failure in the rank's log
         out, _, _, _ = episodes(tokenizer, scripts, tools=(calculator, slow, broken), max_turns=3, width=250)
     assert len(out.trajectories) == len(scripts) and out.response_ids.shape[0] == len(scripts), "nothing lost"
     by_script = dict(zip(scripts, out.trajectories, strict=True))
@@ -208,6 +250,36 @@ def test_each_limit_and_failure_is_named_recorded_and_loses_nothing(tokenizer, c
     assert "trajectory 10, turn 0, call 0 (slow): timeout" in caplog.text  # named by batch row, turn and call
     assert "trajectory 11, turn 0, call 0 (broken): error: broken raised RuntimeError" in caplog.text
     assert "trajectory 12, turn 0, call 0 (unreadable): unparsable" in caplog.text
+    assert all(r.levelname == "INFO" for r in caplog.records), "the terminal gets the step's summary only"
+    batch = batch_ending(out.finish_reason)
+    batch.trajectories = out.trajectories
+    assert failure_summary(batch) == ("5 of 9 tool calls failed (1 bad_arguments, 1 error, 1 timeout, 1 unknown_tool, "
+                                      "1 unparsable): details in the rank logs and batch.turns_frame()")  # fmt: skip
+
+
+def test_tool_calls_past_the_limits_are_not_run_and_long_results_are_cut(tokenizer):
+    """agent.max_parallel_calls: the calls of a turn past it are not run (the model reads why); calls whose results
+    could never be shown (the last turn) are not run at all; a result over agent.max_tool_response_tokens is cut on
+    agent.tool_response_truncate_side."""
+    out, _, _, _ = episodes(tokenizer, ["two_calls"], max_parallel_calls=1)
+    calls = out.trajectories[0].turns[0].calls
+    assert [(c.status, c.result) for c in calls] == [("ok", "2"), ("over_limit", "error: not run: at most 1 call "
+                                                     "per turn (agent.max_parallel_calls)")]  # fmt: skip
+    out, _, _, _ = episodes(tokenizer, ["broken", "calc"], tools=(calculator, broken), max_turns=1)
+    assert out.finish_reason == ["max_turns", "max_turns"]
+    assert [[(c.status, c.result) for c in t.turns[0].calls] for t in out.trajectories] == [[("not_run", "")]] * 2
+    assert [t.failed_calls for t in out.trajectories] == [0, 0]
+    cut = {}
+    for side in ("left", "right", "middle"):
+        out, _, _, _ = episodes(tokenizer, ["count"], tools=(count_to,), width=200, max_tool_response_tokens=8,
+                                tool_response_truncate_side=side)  # fmt: skip
+        cut[side] = out.trajectories[0].turns[0].calls[0].result
+    assert cut["left"].startswith("0 1 2 3") and cut["left"].endswith("...(truncated)")
+    assert cut["right"].startswith("(truncated)...") and cut["right"].endswith("38 39")
+    assert cut["middle"].startswith("0 1") and "...(truncated)..." in cut["middle"] and cut["middle"].endswith("39")
+    for text in cut.values():  # 8 tokens of the result are kept
+        kept = text.replace("...(truncated)...", "").replace("...(truncated)", "").replace("(truncated)...", "")
+        assert len(tokenizer(kept, add_special_tokens=False)["input_ids"]) <= 8, text
 
 
 def test_the_budget_ends_a_trajectory_before_an_observation_that_does_not_fit(tokenizer):
@@ -247,6 +319,67 @@ def test_an_environment_plays_turns_with_rewards(tokenizer, environment):
     assert [t.reward for t in trajectory.turns] == [0.0, 0.0, 1.0] and trajectory.env_reward == 1.0
     assert trajectory.finish_reason == "stop" and trajectory.drift == ""
     assert [m["content"] for m in trajectory.messages if m["role"] == "user"] == ["guess", "lower", "higher"]
+
+
+def test_async_tools_are_awaited_and_an_async_environment_keeps_its_subprocess_across_turns(tokenizer):
+    """An ``async def`` tool's result is what the model reads (not a coroutine object); an async environment that
+    starts a subprocess in reset talks to it at every step and ends it in close (one event loop for all of them)."""
+    out, _, _, _ = episodes(tokenizer, ["async_calc"], tools=(async_calculator,))
+    calls = out.trajectories[0].turns[0].calls
+    assert [(c.name, c.status, c.result) for c in calls] == [("async_calculator", "ok", "42")]
+    assert out.finish_reason == ["stop"]
+    out, _, _, _ = episodes(tokenizer, ["guess", "guess"], tools=(), environment=EchoProcess, max_turns=4)
+    assert out.finish_reason == ["stop", "stop"], [t.error for t in out.trajectories]
+    for trajectory in out.trajectories:
+        observations = [t.observation for t in trajectory.turns]
+        pid = observations[0].rsplit(" ", 1)[1]
+        assert observations == [f"echo {g} from {pid}" for g in ("50", "25", "37")], "one process from reset on"
+        assert [t.reward for t in trajectory.turns] == [1.0, 2.0, 3.0]
+        with pytest.raises(ProcessLookupError):  # close() ended it (and reaped it)
+            os.kill(int(pid), 0)
+
+
+def test_an_environment_whose_methods_are_the_tools_keeps_state_per_trajectory(tokenizer):
+    """TRL's environment_factory: an environment without step offers its public methods as tools, each trajectory
+    calling its own instance; get_reward, once the trajectory is over, is its last turn's reward."""
+    tools, problems = agent_tools([calculator], Tally)
+    assert problems == [] and [t.name for t in tools] == ["calculator", "add"]
+    assert tools[1].schema["function"]["parameters"]["required"] == ["amount"], "self is not a parameter"
+    out, _, _, _ = episodes(tokenizer, ["tally", "tally"], tools=(), environment=Tally, width=200)
+    for trajectory in out.trajectories:
+        assert [[c.result for c in t.calls] for t in trajectory.turns] == [["2"], ["5"], []], "one tally each"
+        assert trajectory.finish_reason == "stop" and trajectory.env_reward == 5.0
+        assert trajectory.turns[-1].reward == 5.0
+
+
+class Announced(GuessNumber):
+    def reset(self, *, secret: str, **fields) -> str:
+        super().reset(secret=secret)
+        return "I picked a number"
+
+
+class GymStyle(GuessNumber):
+    def reset(self, *, secret: str, **fields) -> tuple:
+        super().reset(secret=secret)
+        return "gym-style", {}
+
+
+def test_what_reset_returns_is_the_first_observation(tokenizer):
+    """A run with an environment renders its prompts without the generation prompt; each trajectory opens with
+    reset's text as a user message (when it gives one) and the generation prompt, out of the loss."""
+    out, _, _, _ = episodes(tokenizer, ["guess"], tools=(), environment=Announced, max_turns=4)
+    trajectory = out.trajectories[0]
+    assert [m["content"] for m in trajectory.messages[:3]] == ["guess", "I picked a number", "50"]
+    start = trajectory.turns[0].start
+    opening = "<|im_start|>user\nI picked a number<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(out.response_ids[0, :start]) == opening and out.response_mask[0, :start].sum() == 0
+    assert trajectory.finish_reason == "stop" and trajectory.drift == "" and len(trajectory.turns) == 3
+    out, _, _, _ = episodes(tokenizer, ["guess"], tools=(), environment=GuessNumber, max_turns=4)
+    start = out.trajectories[0].turns[0].start
+    assert tokenizer.decode(out.response_ids[0, :start]) == "<|im_start|>assistant\n", "no observation: the turn opens"
+    out, _, _, _ = episodes(tokenizer, ["guess"], tools=(), environment=GymStyle)
+    error = out.trajectories[0].error
+    assert "reset returned ('gym-style', {}) (tuple): return the first observation as a str" in error
 
 
 def test_a_failing_environment_ends_its_trajectory_named_and_kept(tokenizer):
@@ -304,6 +437,54 @@ def write_run(folder, environment: str, tools: list[str]):
     return config_from_toml(folder / "run.toml")
 
 
+def test_a_new_users_mistakes_are_named_with_their_fix(tokenizer, tmp_path):
+    """[tools] for [[tools]], tools=calculator for tools=[calculator], [agent] without tools or an environment,
+    turn_rewards with a group estimator, and tools on the tiny model: each a message naming the fix."""
+    from rlkit.config import ConfigError, GRPOConfig, config_from_toml
+    from rlkit.data import load_run_data
+    from rlkit.data.agent_tasks import answer_reward as add
+    from rlkit.models.tiny import TINY_MODEL_DIR
+
+    (tmp_path / "run.toml").write_text('model = "tiny-agent"\n[tools]\nfunction = "my_tools.py:add"\n')
+    with pytest.raises(ConfigError, match=r"tools is one table where a list is expected: in TOML write \[\[tools\]\]"):
+        config_from_toml(tmp_path / "run.toml")
+    with pytest.raises(ConfigError, match=r"tools=calculator: give a list of functions, tools=\[calculator\]"):
+        load_run_data(GRPOConfig(model="tiny-agent"), tokenizer, tools=calculator)
+    rows = [{"prompt": "1+1", "answer": "2"}]
+    with pytest.raises(ConfigError, match=r"\[agent\] is set, but the run has no tools and no environment"):
+        load_run_data(GRPOConfig(model="tiny", agent={"max_turns": 2}), tokenizer, prompts=rows, reward_fn=add)
+    with pytest.raises(ConfigError, match='agent.turn_rewards = true with advantage="grpo": a group estimator'):
+        GRPOConfig(agent={"turn_rewards": True})
+    with pytest.raises(ConfigError, match='model="tiny" has no chat template for tools .* use model="tiny-agent"'):
+        load_run_data(GRPOConfig(model="tiny"), load_tokenizer(TINY_MODEL_DIR), prompts=rows, tools=[calculator],
+                      reward_fn=add)  # fmt: skip
+
+
+def test_a_tool_file_imports_the_modules_beside_it_and_they_travel_with_it(tmp_path):
+    """As Python runs a script: the file's folder is on the path while it imports, and what it imports from there
+    travels to the workers by value with its functions (a process that cannot see the folder runs them)."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    from rlkit.data.named_rewards import resolve_object
+
+    (tmp_path / "helpers_beside.py").write_text("def double(x):\n    return 2 * x\n")
+    (tmp_path / "tools_file.py").write_text('from helpers_beside import double\n\n\ndef twice(x: int) -> int:\n'
+                                            '    """Twice.\n\n    Args:\n        x: a number.\n    """\n'
+                                            "    return double(x)\n")  # fmt: skip
+    fn, problem = resolve_object("tools_file.py:twice", tmp_path, {})
+    assert problem == "" and fn(2) == 4
+    worker = "import cloudpickle, sys; print(cloudpickle.loads(sys.stdin.buffer.read())(3))"
+    done = subprocess.run([sys.executable, "-c", worker], input=cloudpickle.dumps(fn), capture_output=True,
+                          cwd="/", timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == b"6"
+    (tmp_path / "broken_file.py").write_text("import nowhere_to_be_found\n")
+    _, problem = resolve_object("broken_file.py:f", tmp_path, {})
+    assert "No module named 'nowhere_to_be_found'" in problem and "PYTHONPATH" in problem
+
+
 def test_tools_and_environment_from_a_toml_are_checked_before_launch(tokenizer, tmp_path):
     from rlkit.config import ConfigError
     from rlkit.data import load_run_data
@@ -314,7 +495,7 @@ def test_tools_and_environment_from_a_toml_are_checked_before_launch(tokenizer, 
     problems = "\n".join(caught.value.problems)
     assert 'tools[1].function="' in problems and "nowhere.py" in problems and "fix the path" in problems
     assert "tool undocumented: no JSON schema" in problems
-    assert "environment NoStep has no step method" in problems
+    assert "environment NoStep needs reset(self, **fields), and step(self, text)" in problems
     config = write_run(tmp_path, "my_env.py:Counter", ["my_tools.py:add"])
     run = load_run_data(config, tokenizer)
     assert run.agent is not None and [t.name for t in run.agent.tools] == ["add"]
@@ -351,6 +532,93 @@ def test_environment_rewards_sit_on_each_turns_last_model_token_with_turn_reward
     per_turn = advantage_inputs(batch, config).token_rewards
     assert per_turn.tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0, 3.0, 0.0]]
     assert batch.trajectory_lengths.tolist() == [6] and batch.response_lengths.tolist() == [4]
+
+
+def test_an_environment_is_reset_on_a_row_of_the_data_before_launch(tokenizer):
+    """reset needing a field the rows lack, or `environment` naming a reward function: found before launch, not as a
+    run that "completes" with reward 0."""
+    from rlkit.config import ConfigError, GRPOConfig
+    from rlkit.data import load_run_data
+    from rlkit.data.agent_tasks import answer_reward
+
+    rows = [{"prompt": [{"role": "user", "content": "guess 1-99"}], "number": "37"}]
+    config = GRPOConfig(model="tiny-agent")
+    with pytest.raises(ConfigError) as caught:
+        load_run_data(config, tokenizer, prompts=rows, environment=GuessNumber)
+    assert "environment GuessNumber: reset(**fields) on the data's first row raised TypeError" in str(caught.value)
+    assert "the rows have the fields ['number']" in str(caught.value)
+    with pytest.raises(ConfigError, match="environment answer_reward: making one raised TypeError"):
+        load_run_data(config, tokenizer, prompts=rows, environment=answer_reward)
+    renamed = [{**rows[0], "secret": "37"}]
+    run = load_run_data(config, tokenizer, prompts=renamed, environment=EchoProcess)
+    assert "rewards: environment x 1" in run.summary(), "no reward model: the environment's rewards"
+
+
+def batch_ending(reasons: list[str]):
+    """A batch of one-turn trajectories (2 model tokens each) that ended with ``reasons``."""
+    from rlkit.data.batch import Batch
+    from rlkit.data.trajectories import Trajectory, Turn
+
+    size = len(reasons)
+    error = "trajectory {}, turn 0: the environment's step failed: KeyError: 'x'"
+    trajectories = [
+        Trajectory(messages=[], turns=[Turn(index=0, start=0, end=2, text="a")], finish_reason=reason,
+                   error=error.format(i) if reason == "env_error" else "")
+        for i, reason in enumerate(reasons)
+    ]  # fmt: skip
+    return Batch(
+        prompts=["p"] * size, completions=["a"] * size, input_ids=torch.zeros(size, 4, dtype=torch.long),
+        attention_mask=torch.ones(size, 4, dtype=torch.long), response_mask=torch.ones(size, 2),
+        rollout_logprobs=torch.zeros(size, 2), group=torch.zeros(size, dtype=torch.long), finish_reason=reasons,
+        trajectories=trajectories, advantages=torch.ones(size, 2),
+    )  # fmt: skip
+
+
+def test_env_errors_leave_the_loss_are_counted_and_fail_a_step_where_most_hit_them():
+    """A trajectory whose environment failed is not trained on (its reward says nothing about the model) unless
+    agent.keep_env_errors; the step's metrics count them; a rollout where most trajectories hit one fails loudly."""
+    from rlkit.config import GRPOConfig
+    from rlkit.trainer.agentic import env_error_failure, left_out_of_loss, trajectory_metrics
+    from rlkit.trainer.assemble import critic_rows, policy_rows
+
+    batch = batch_ending(["stop", "env_error", "budget", "stop"])
+    rows = policy_rows(batch, left_out_of_loss(GRPOConfig()), True)
+    assert rows.response_mask.sum(dim=1).tolist() == [2.0, 0.0, 2.0, 2.0]
+    batch.values = batch.returns = torch.zeros(4, 2)
+    assert critic_rows(batch, left_out_of_loss(GRPOConfig())).response_mask.sum(dim=1).tolist() == [2, 0, 2, 2]
+    keep = GRPOConfig(agent={"keep_env_errors": True}, mask_truncated=True)
+    assert policy_rows(batch, left_out_of_loss(keep), True).response_mask.sum(dim=1).tolist() == [2, 2, 0, 2]
+    assert trajectory_metrics(batch)["agent/env_errors"] == 1 and env_error_failure(batch) == ""
+    failure = env_error_failure(batch_ending(["env_error", "stop", "env_error", "env_error"]))
+    assert failure.startswith("3 of 4 trajectories ended with env_error (their environment raised or timed out)")
+    assert "trajectory 0, turn 0: the environment's step failed: KeyError: 'x'" in failure
+
+
+def test_a_run_keeps_whole_trajectories_in_its_samples_and_report_and_prints_agent_figures(tokenizer, tmp_path):
+    """`rlkit train`'s samples/*.jsonl hold every turn (text, calls and results, observation, reward, finish), the
+    report shows each whole conversation, and the step line the agent's figures."""
+    from rlkit.cli.lines import rl_lines
+    from rlkit.report import _samples_html
+    from rlkit.trainer.outputs import read_samples, write_samples
+
+    out, _, _, _ = episodes(tokenizer, ["calc", "answer"])
+    batch = batch_ending(out.finish_reason)
+    batch.trajectories = out.trajectories
+    write_samples(tmp_path, 1, batch.to_pandas())
+    table = read_samples(tmp_path)[1]
+    turns = table["trajectory"][0]
+    assert [t["turn"] for t in turns] == [0, 1] and [t["finish"] for t in turns] == ["tool_calls", "stop"]
+    assert turns[0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "6*7"}, "status": "ok",
+                                       "result": "42"}]  # fmt: skip
+    assert turns[0]["observation"] == "42" and turns[1]["text"] == "42"
+    assert [m["role"] for m in table["messages"][0]] == ["user", "assistant", "tool", "assistant"]
+    page = _samples_html({1: table})
+    assert "assistant: &lt;tool_call&gt;" in page and "<br>tool: 42<br>assistant: 42" in page
+    lines = rl_lines(["answer", "environment"], agent=True)
+    row = {"step": 3, "agent/turns/mean": 1.5, "agent/tool_use_frac": 0.25, "agent/failed_calls_frac": 0.1,
+           "agent/env_errors": 2.0}  # fmt: skip
+    assert "turns tools failed env_err" in " ".join(lines.header().split())
+    assert "1.50  0.25   0.10       2" in lines.line(row)
 
 
 def test_tools_and_environments_that_cannot_be_pickled_are_named_before_launch(tokenizer):

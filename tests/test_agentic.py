@@ -69,15 +69,18 @@ def test_the_update_on_trajectories_matches_a_one_process_reference(cluster):
 
 
 def test_a_failing_environment_loses_nothing_and_names_the_trajectory(cluster):
+    """The environment fails on one of the two prompts (secrets 50 and 98) past the first guess: the step goes on,
+    the failures named; when it fails on every trajectory, the step fails loudly, the rollout kept."""
+
     class Flaky(GuessNumber):
         def step(self, text: str) -> tuple[str, float, bool]:
-            if text.strip() != "50":
+            if text.strip() != "50" and self.secret == 98:
                 raise RuntimeError(f"cannot read {text!r}")
             return super().step(text)
 
     config = rlkit.GRPOConfig(model="tiny-agent", seed=0, prompts_per_step=2, group_size=4, rollout=ROLLOUT,
                               agent=rlkit.AgentConfig(max_turns=3))  # fmt: skip
-    trainer = rlkit.Trainer(cluster, config, environment=Flaky, prompts=guess_prompts(8, 0))
+    trainer = rlkit.Trainer(cluster, config, environment=Flaky, prompts=guess_prompts(2, 0))
     row = trainer.step()
     batch = trainer.last_batch
     assert len(batch) == 8 and row["agent/finish/env_error_frac"] > 0
@@ -87,6 +90,16 @@ def test_a_failing_environment_loses_nothing_and_names_the_trajectory(cluster):
             assert trajectory.error.startswith(f"trajectory {i}, turn {len(trajectory.turns) - 1}: the environment")
             assert "RuntimeError: cannot read" in trajectory.error
     assert torch.equal(batch.reward_terms["environment"], torch.tensor([t.env_reward for t in batch.trajectories]))
+    assert row["agent/env_errors"] == row["agent/finish/env_error_frac"] * 8
+
+    class Broken(GuessNumber):
+        def step(self, text: str) -> tuple[str, float, bool]:
+            raise RuntimeError("the board fell over")
+
+    trainer = rlkit.Trainer(cluster, config, environment=Broken, prompts=guess_prompts(8, 0))
+    with pytest.raises(RuntimeError, match=r"8 of 8 trajectories ended with env_error .*\n  trajectory 0, turn 0"):
+        trainer.step()  # fails loudly instead of training on nothing
+    assert len(trainer.last_batch) == 8 and trainer.steps_done == 0, "the rollout is kept; nothing was trained"
 
 
 @pytest.mark.timeout(400)

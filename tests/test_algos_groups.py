@@ -143,9 +143,13 @@ def test_overlong_penalty_matches_loop_reference():
 
 
 def test_mask_truncated_zeroes_completions_cut_at_the_budget():
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    out = mask_truncated(mask, ["stop", "length", "stop"])
-    torch.testing.assert_close(out, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))
+    """A completion cut at max_new_tokens ("length") and a trajectory whose next observation did not fit its token
+    budget ("budget") leave the loss; an answer, a finished episode and one out of turns stay."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    out = mask_truncated(mask, ["stop", "length", "stop", "budget", "max_turns"])
+    expected = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0]])
+    torch.testing.assert_close(out, expected)
+    mask = mask[:3]
     with pytest.raises(ValueError, match="finish_reason has 2 values for 3 completions"):
         mask_truncated(mask, ["stop", "stop"])
 

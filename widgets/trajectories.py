@@ -18,20 +18,28 @@ from rlkit.data.batch import Batch
 from rlkit.data.trajectories import Turn
 from rlkit.widgets.rollouts import COLOURINGS, OBSERVATION_STYLE, RolloutView, token_rgba
 
-STATUS_CLASS = {"ok": "ok"}
-"""The CSS class of a tool call's status (every other status is flagged)."""
+STATUS_CLASS = {"ok": "ok", "not_run": ""}
+"""The CSS class of a tool call's status (every other status is flagged; "not_run" is no failure: its result could
+never have been shown)."""
 
 
 def turns_html(
     batch: Batch, i: int, values: torch.Tensor, colouring: str, scale: float, decode: Callable[[int], str]
 ) -> str:
     """Trajectory ``i`` as a table with a row per turn: its tokens (model: coloured; observation: grey), calls,
-    environment reward, how it ended and its mean log-prob gap."""
+    environment reward, how it ended and its mean log-prob gap; an environment's opening (its first observation
+    and the generation prompt) first."""
     assert batch.trajectories is not None
     trajectory = batch.trajectories[i]
     gap = batch.logprob_gap_tokens()
     ids = batch.input_ids[i, batch.prompt_length :]
     rows = []
+    opening = trajectory.turns[0].start if trajectory.turns else 0
+    if opening:
+        grey = "".join(f'<span style="{OBSERVATION_STYLE}">{html.escape(decode(int(ids[t])))}</span>'
+                       for t in range(opening))  # fmt: skip
+        rows.append(f'<tr><td></td><td style="text-align:left">{grey}</td><td></td><td></td><td>opening</td>'
+                    "<td></td></tr>")  # fmt: skip
     for turn in trajectory.turns:
         model = "".join(_token(decode(int(ids[t])), float(values[i, t]), colouring, scale)
                         for t in range(turn.start, turn.end))  # fmt: skip
@@ -65,7 +73,7 @@ def _token(text: str, value: float, colouring: str, scale: float) -> str:
 
 
 def _calls_html(turn: Turn) -> str:
-    """Each call as ``name(arguments) -> result`` with its status (anything but "ok" flagged)."""
+    """Each call as ``name(arguments) -> result`` with its status (failures flagged)."""
     lines = []
     for call in turn.calls:
         args = "" if call.arguments is None else ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())

@@ -32,7 +32,7 @@ from rlkit.algos.correction import (
     rejection_keep,
     truncated_weights,
 )
-from rlkit.algos.dapo import informative_groups, mask_truncated, overlong_penalty
+from rlkit.algos.dapo import informative_groups, mask_finished, mask_truncated, overlong_penalty
 from rlkit.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
 from rlkit.algos.losses import (
     POLICY_LOSSES,
@@ -114,6 +114,7 @@ __all__ = [
     "kto_mismatched_pairs",
     "kto_sums",
     "loss_weights",
+    "mask_finished",
     "mask_truncated",
     "masked_mean",
     "masked_whiten",

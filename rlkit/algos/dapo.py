@@ -4,7 +4,8 @@ Pure functions; the trainer applies them:
 
 - :func:`overlong_penalty`: soft overlong punishment, added to the rewards before advantages.
 - :func:`mask_truncated`: completions cut at max_new_tokens leave the loss (their reward still counts
-  in their group's statistics, as in TRL's ``mask_truncated_completions``).
+  in their group's statistics, as in TRL's ``mask_truncated_completions``), and so do trajectories cut at
+  their token budget.
 - :func:`informative_groups`: dynamic sampling's filter; groups whose rewards are all equal give every
   sample a zero group-relative advantage (no gradient), so the trainer drops them and samples again.
 """
@@ -36,17 +37,34 @@ def overlong_penalty(lengths: torch.Tensor, *, max_new_tokens: int, buffer: int,
     return -penalty * (excess / buffer).clamp(max=1)
 
 
+TRUNCATED = ("length", "budget")
+"""The finish reasons of a truncated sample: a completion (or a trajectory's model turn) cut at its token limit,
+and a trajectory whose next observation did not fit its token budget."""
+
+
 def mask_truncated(response_mask: torch.Tensor, finish_reason: Sequence[str]) -> torch.Tensor:
-    """The response mask with every truncated completion (finish reason "length") zeroed, so it leaves the loss.
+    """The response mask with every truncated sample (a finish reason in :data:`TRUNCATED`) zeroed, so it leaves
+    the loss.
 
     Args:
-        response_mask: [B, T]; finish_reason: B values ("stop" or "length"), ``Batch.finish_reason``.
+        response_mask: [B, T]; finish_reason: B values, ``Batch.finish_reason``.
+    Returns:
+        [B, T], response_mask's dtype.
+    """
+    return mask_finished(response_mask, finish_reason, TRUNCATED)
+
+
+def mask_finished(response_mask: torch.Tensor, finish_reason: Sequence[str], reasons: Sequence[str]) -> torch.Tensor:
+    """The response mask with every row whose finish reason is one of ``reasons`` zeroed.
+
+    Args:
+        response_mask: [B, T]; finish_reason: B values, ``Batch.finish_reason``.
     Returns:
         [B, T], response_mask's dtype.
     """
     if len(finish_reason) != response_mask.shape[0]:
         raise ValueError(f"finish_reason has {len(finish_reason)} values for {response_mask.shape[0]} completions")
-    kept = torch.tensor([reason != "length" for reason in finish_reason], device=response_mask.device)
+    kept = torch.tensor([reason not in reasons for reason in finish_reason], device=response_mask.device)
     return torch.where(kept.unsqueeze(1), response_mask, torch.zeros_like(response_mask))
 
 

@@ -1,10 +1,11 @@
 """What ``rlkit train`` prints per step: a header and one compact line per step, and the summary at the end.
 
 An RL line holds the mean reward and each reward term's mean, the KL to the reference ("-" when it is not
-measured: kl_coef = 0), the mean response length, tokens/s, the step's seconds with its rollout and update
-shares, and each rank's memory; a DPO/KTO line the preference accuracy, margins, loss, gradient norm, tokens/s,
-seconds and memory. The validation reward (DPO/KTO: loss and accuracy) follows on the steps that have it.
-Everything else is in history.csv.
+measured: kl_coef = 0), the mean response length, a multi-turn run's turns, tool use, failed calls and
+environment errors, tokens/s, the step's seconds with its rollout and update shares, and each rank's memory;
+a DPO/KTO line the preference accuracy, margins, loss, gradient norm, tokens/s, seconds and memory. The
+validation reward (DPO/KTO: loss and accuracy) follows on the steps that have it. Everything else is in
+history.csv.
 """
 
 from __future__ import annotations
@@ -54,8 +55,19 @@ class StepLines:
         return text + ("  val: " + ", ".join(checked) if checked else "")
 
 
-def rl_lines(terms: Sequence[str]) -> StepLines:
-    """The RL table; ``terms``: the reward terms' names (each gets its column when there are several)."""
+AGENT_COLUMNS = (
+    Column("turns", "agent/turns/mean", ".2f", 5),
+    Column("tools", "agent/tool_use_frac", ".2f", 5),
+    Column("failed", "agent/failed_calls_frac", ".2f", 6),
+    Column("env_err", "agent/env_errors", ".0f", 7),
+)
+"""A multi-turn run's columns: turns per trajectory, the share of trajectories with a call that ran, the share of
+calls that failed, and the trajectories whose environment failed."""
+
+
+def rl_lines(terms: Sequence[str], agent: bool = False) -> StepLines:
+    """The RL table; ``terms``: the reward terms' names (each gets its column when there are several); ``agent``:
+    a multi-turn run (its columns follow the length's)."""
     named = [Column(_short(t), f"reward/{t}/mean", ".3f", max(6, len(_short(t)))) for t in terms if len(terms) > 1]
     return StepLines(
         columns=[
@@ -64,6 +76,7 @@ def rl_lines(terms: Sequence[str]) -> StepLines:
             *named,
             Column("kl", "kl/mean", ".4f", 6),
             Column("len", "response/length/mean", ".1f", 5),
+            *(AGENT_COLUMNS if agent else ()),
             Column("tok/s", "perf/tokens_per_s", ".0f", 6),
             Column("s/step", "time/step", ".1f", 6),
             Column("gen", "time/rollout", ".1f", 5),

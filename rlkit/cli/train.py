@@ -36,6 +36,7 @@ from rlkit.diagnostics import visible_gpu_count, visible_gpu_memory_gib
 from rlkit.models import describe_lora, load_tokenizer, resolve_model_dir
 from rlkit.runtime import Cluster, launch, torchrun
 from rlkit.trainer import PreferenceTrainer, Trainer, checkpoints
+from rlkit.trainer.agentic import ENVIRONMENT_TERM
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.outputs import read_samples
 
@@ -168,9 +169,10 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
         if findings.items:
             print(f"warning: {findings}", file=sys.stderr, flush=True)
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])
+    terms += [ENVIRONMENT_TERM] if data.agent is not None and data.agent.environment is not None else []
     summary = "\n".join(line for line in (data.summary(), describe_lora(config)) if line)
     return Run(config, summary, partial(Trainer, config=config), partial(_resume, Trainer, config),
-               rl_lines(terms), "reward/mean", "mean reward")  # fmt: skip
+               rl_lines(terms, agent=data.agent is not None), "reward/mean", "mean reward")  # fmt: skip
 
 
 def _checked_preferences(args: argparse.Namespace, config: PreferenceConfig, world_size: int) -> Run:

@@ -12,15 +12,20 @@ from dataclasses import dataclass
 from rlkit.config.checks import need
 
 TOOL_PARSERS = ("hermes", "mistral")
+TOKEN_ESTIMATORS = ("reinforce++", "gae")
+"""The advantage estimators that read rewards per token (``turn_rewards`` places an environment's per turn)."""
+TRUNCATE_SIDES = ("left", "right", "middle")
+"""Which part of a long tool result is kept (verl's ``tool_response_truncate_side``): its start, its end, or both."""
 """How tool calls are read from a model turn (``agent.tool_parser``), see :mod:`rlkit.data.tools`."""
 FINISH_REASONS = {
     "stop": "the model answered without calling a tool, or the environment ended the episode",
     "length": "a model turn ran out of tokens (agent.max_turn_tokens or the trajectory's budget) before its "
     "end-of-turn token; its text is not parsed for tool calls",
-    "max_turns": "agent.max_turns model turns were taken and the episode was not over (the last turn's tool "
-    "results or environment reply are recorded but not appended)",
+    "max_turns": "agent.max_turns model turns were taken and the episode was not over (the last turn's "
+    "environment reply is recorded but not appended; its tool calls are not run: status not_run)",
     "budget": "the next observation (tool results or the environment's reply) and one more model token do not "
-    "fit the trajectory's budget, rollout.max_new_tokens: it is recorded but not appended",
+    "fit the trajectory's budget, rollout.max_new_tokens: it is recorded but not appended (tool calls that could "
+    "not fit even an empty result are not run)",
     "env_error": "the environment raised or timed out (in reset or step); the trajectory stops there, its error "
     "names the trajectory and turn",
 }
@@ -58,9 +63,19 @@ class AgentConfig:
     max_turn_tokens: int = 0
     """Tokens one model turn may sample at most (finish reason "length"); 0: what is left of the budget."""
     call_timeout: float = 10.0
-    """Seconds a tool call or an environment's reset or step may take, > 0. A call past it gets status
-    "timeout" (the model reads an error); an environment past it ends the trajectory ("env_error"). Python
-    cannot stop a thread: the late call runs on in the background and its result is dropped."""
+    """Seconds a tool call or an environment's reset, step, get_reward or close may take, > 0. A call past it gets
+    status "timeout" (the model reads an error); an environment past it ends the trajectory ("env_error"). An
+    async call is cancelled; Python cannot stop a thread, so a plain function runs on in the background and its
+    result is dropped."""
+    max_parallel_calls: int = 8
+    """Tool calls of one model turn that run, >= 1 (verl's ``max_parallel_calls``); the model reads an error as the
+    result of each call past it (status "over_limit")."""
+    max_tool_response_tokens: int = 512
+    """Tokens of a tool's result the model reads at most, >= 0 (0: all); a longer result is cut on
+    ``tool_response_truncate_side``, marked "(truncated)" (verl's ``max_tool_response_length``, there in
+    characters). Without a limit, one huge result ends its trajectory (finish reason "budget")."""
+    tool_response_truncate_side: str = "middle"
+    """What a cut result keeps: "left" (its start), "right" (its end) or "middle" (half of each)."""
     tool_parser: str = "hermes"
     """How tool calls are found in a model turn: "hermes" (Qwen, Hermes: ``<tool_call>{json}</tool_call>``) or
     "mistral" (``[TOOL_CALLS]`` then a JSON list); each call is ``{"name": ..., "arguments": {...}}``."""
@@ -69,12 +84,23 @@ class AgentConfig:
     "reinforce++", "gae") instead of summing them onto the trajectory's last model token. The group estimators
     (GRPO, RLOO) see each trajectory's sum either way."""
 
+    keep_env_errors: bool = False
+    """Train on trajectories that ended with "env_error" too, with whatever reward they got. By default they leave
+    the loss (an environment that failed says nothing about the model; its reward would act as a penalty), like
+    ``mask_truncated``'s: their rewards still count in their group's statistics. Counted in ``agent/env_errors``;
+    a rollout where more than half the trajectories hit one fails the step."""
+
     def problems(self, prefix: str = "agent") -> list[str]:
         p: list[str] = []
         need(p, self.max_turns >= 1, f"{prefix}.max_turns={self.max_turns}: must be >= 1")
         need(p, self.max_turn_tokens >= 0, f"{prefix}.max_turn_tokens={self.max_turn_tokens}: must be >= 0 (0 = the "
              "budget left)")  # fmt: skip
         need(p, self.call_timeout > 0, f"{prefix}.call_timeout={self.call_timeout}: must be > 0 seconds, e.g. 10")
+        need(p, self.max_parallel_calls >= 1, f"{prefix}.max_parallel_calls={self.max_parallel_calls}: must be >= 1")
+        need(p, self.max_tool_response_tokens >= 0, f"{prefix}.max_tool_response_tokens="
+             f"{self.max_tool_response_tokens}: must be >= 0 (0 = no limit)")  # fmt: skip
+        need(p, self.tool_response_truncate_side in TRUNCATE_SIDES, f"{prefix}.tool_response_truncate_side="
+             f'"{self.tool_response_truncate_side}": use one of {TRUNCATE_SIDES}')  # fmt: skip
         need(p, self.tool_parser in TOOL_PARSERS, f'{prefix}.tool_parser="{self.tool_parser}": use one of '
              f"{TOOL_PARSERS}")  # fmt: skip
         return p

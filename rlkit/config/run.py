@@ -12,7 +12,7 @@ from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
 from rlkit.algos.aggregation import LOSS_AGG_MODES
 from rlkit.algos.kl import KL_ESTIMATORS
 from rlkit.algos.losses import POLICY_LOSSES
-from rlkit.config.agent import AgentConfig, ToolSpec
+from rlkit.config.agent import TOKEN_ESTIMATORS, AgentConfig, ToolSpec
 from rlkit.config.checks import ConfigError, need
 from rlkit.config.correction import RolloutCorrectionConfig
 from rlkit.config.data import DataConfig, RewardSpec, ValidationConfig, rewards_problems, trackers_problems
@@ -126,7 +126,8 @@ class RLConfig:
     """The reward taken from a completion of max_new_tokens tokens by the overlong punishment, >= 0."""
     mask_truncated: bool = False
     """Leave completions that hit max_new_tokens (finish reason "length") out of the loss (DAPO; TRL's
-    mask_truncated_completions); their rewards still count in their group's advantages."""
+    mask_truncated_completions), and trajectories cut at their token budget ("budget"); their rewards still count
+    in their group's advantages."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop the groups whose rewards are all equal (zero group-relative advantage,
     no gradient) and sample more prompts until prompts_per_step informative groups are collected, at most
@@ -365,6 +366,10 @@ class RLConfig:
         where, _, name = self.environment.rpartition(":")
         need(p, not self.environment or (where.strip() != "" and name.strip() != ""),
              f'environment="{self.environment}": write "my_env.py:GuessNumber" or "package.module:GuessNumber"')
+        per_token = not self.agent.turn_rewards or self.advantage in TOKEN_ESTIMATORS
+        need(p, per_token, f'agent.turn_rewards = true with advantage="{self.advantage}": a group estimator sees each '
+             "trajectory's summed reward, so the rewards per turn would change nothing; use advantage in "
+             f"{TOKEN_ESTIMATORS}, or leave turn_rewards off")  # fmt: skip
         budget = self.rollout.max_new_tokens
         need(p, self.agent.max_turn_tokens <= budget, f"agent.max_turn_tokens={self.agent.max_turn_tokens}: must be "
              f"at most the trajectory's budget, rollout.max_new_tokens={budget}")  # fmt: skip

@@ -93,6 +93,7 @@ def from_table(kind: type, data: dict[str, Any], where: str) -> Any:
         data["betas"] = tuple(data["betas"])
     for name, (table, many) in nested_kinds(kind).items():
         value = data.get(name)
+        _check_list(name, value, many, where)
         if many and isinstance(value, list):
             data[name] = [from_table(table, v, f"{_join(where, name)}[{i}]") if isinstance(v, dict) else v
                           for i, v in enumerate(value)]  # fmt: skip
@@ -118,11 +119,23 @@ def convert_tables(config: Any) -> None:
     """Replace, in place, every nested dict field of ``config`` by its dataclass (a config's __post_init__)."""
     for name, (kind, many) in nested_kinds(type(config)).items():
         value = getattr(config, name)
+        _check_list(name, value, many, "")
         if many and isinstance(value, list):
             setattr(config, name, [from_table(kind, v, f"{name}[{i}]") if isinstance(v, dict) else v
                                    for i, v in enumerate(value)])  # fmt: skip
         elif isinstance(value, dict):
             setattr(config, name, from_table(kind, value, name))
+
+
+def _check_list(name: str, value: Any, many: bool, where: str) -> None:
+    """Raise ConfigError naming the fix when an array of tables (``[[tools]]``) was given one table or one value."""
+    if not many or value is None or isinstance(value, list | tuple):
+        return
+    label = getattr(value, "__name__", None) or type(value).__name__
+    raise ConfigError([
+        f"{_join(where, name)} is one {'table' if isinstance(value, dict) else label} where a list is expected: in "
+        f"TOML write [[{name}]] (two brackets, one table per entry), in Python {name}=[...]"
+    ])  # fmt: skip
 
 
 def _unknown_paths(kind: type, data: dict[str, Any], where: str) -> list[str]:

@@ -8,6 +8,7 @@ value). Every problem comes back at once, naming the setting and the fix.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from rlkit.data.chat import ChatRenderer
-from rlkit.data.envs import EnvironmentFactory, environment_problems
+from rlkit.data.envs import EnvironmentFactory, environment_problems, tool_methods
 from rlkit.data.named_rewards import resolve_object
 from rlkit.data.tools import Tool, make_tools
 
@@ -71,11 +72,15 @@ def collect_agent(
         problems += [f'environment="{config.environment}": {problem}'] if problem else []
     if not functions and environment is None:
         return None, problems
-    made, tool_problems = make_tools(functions)
+    made, tool_problems = agent_tools(functions, environment)
     problems += tool_problems + (environment_problems(environment) if environment is not None else [])
     problems += _pickle_problems(made, environment)
     agent = Agent(tuple(made), environment, config.agent)
-    problems += ChatRenderer(tokenizer, agent.schemas).problems()
+    if config.model == "tiny":
+        problems.append('model="tiny" has no chat template for tools or environments (it writes plain text): use '
+                        'model="tiny-agent", the bundled model trained to call tools and play turns')  # fmt: skip
+    else:
+        problems += ChatRenderer(tokenizer, agent.schemas).problems()
     if config.rollout.tensor_parallel_size > 1:
         problems.append(f"rollout.tensor_parallel_size={config.rollout.tensor_parallel_size} with tools or an "
                         "environment: the ranks of a tensor-parallel engine would need the same number of turns; "
@@ -84,6 +89,14 @@ def collect_agent(
         problems.append("data.chat_template = false, but tools and environments talk through the chat template: "
                         "set it to true (or leave it unset)")  # fmt: skip
     return agent, problems
+
+
+def agent_tools(
+    functions: Sequence[Callable[..., Any]], environment: EnvironmentFactory | None
+) -> tuple[list[Tool], list[str]]:
+    """The tools of a run and the problems making them: the functions, then, for an environment class without
+    ``step``, its public methods (TRL's environment_factory: each trajectory calls its own instance)."""
+    return make_tools(functions, tool_methods(environment) if inspect.isclass(environment) else [])
 
 
 def _pickle_problems(tools: list[Tool], environment: EnvironmentFactory | None) -> list[str]:

@@ -213,7 +213,8 @@ class Batch:
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per completion (per trajectory in a multi-turn run: ``completion`` is its last model turn, with its
-        turns, tool calls, environment reward and drift): what a person reads to judge a step."""
+        turns, tool calls, environment reward and drift, the whole conversation as ``messages`` and each turn's
+        record as ``trajectory``): what a person reads to judge a step."""
         lengths = self.response_lengths
         columns: dict[str, list] = {
             "group": self.group.tolist(),
@@ -238,6 +239,8 @@ class Batch:
             columns["failed_calls"] = [t.failed_calls for t in self.trajectories]
             columns["env_reward"] = [t.env_reward for t in self.trajectories]
             columns["drift"] = [t.drift for t in self.trajectories]
+            columns["messages"] = [t.messages for t in self.trajectories]
+            columns["trajectory"] = [t.records() for t in self.trajectories]
         checked = self.engine_checked()
         rollout_mean = masked_mean(self.rollout_logprobs, checked, dim=1)
         columns["rollout_logprob_mean"] = self._per_checked_row(rollout_mean).tolist()

@@ -2,11 +2,12 @@
 
 The model's own tokens are never re-tokenised. After a model turn (the engine's sampled ids, through the
 end-of-turn token), a trajectory appends the ids of what the chat template writes next: the rest of the
-closed turn, the observation's messages and the next generation prompt. They are found as a delta of two
-renders of a fixed stand-in conversation, so only the template's own tokens and the observation's text are
-tokenised. The boundary rule: the model's turn ends at its end-of-turn token (the tokenizer's eos, where
-the engine stops); whatever the template writes after that token (Qwen's "\\n" after ``<|im_end|>``)
-belongs to the observation, and is masked out of the loss with it.
+closed turn, the observation's messages and the next generation prompt. They are what follows a fixed
+stand-in assistant turn's end-of-turn token once the observation's messages follow it (what the engine sees
+next; the stand-in turn itself may render differently when it is no longer the last, as Qwen3's does), so only
+the template's own tokens and the observation's text are tokenised. The boundary rule: the model's turn ends
+at its end-of-turn token (the tokenizer's eos, where the engine stops); whatever the template writes after
+that token (Qwen's "\\n" after ``<|im_end|>``) belongs to the observation, and is masked out of the loss with it.
 
 A template that is not append-only (one that rewrites earlier turns, e.g. drops their reasoning) or a model
 that samples a non-canonical tokenisation makes the ids differ from a re-render of the whole conversation:
@@ -51,19 +52,18 @@ class ChatRenderer:
         """The ids to append after a model turn that ended with its end-of-turn token: the template's tokens after
         that token, ``messages`` (tool results or the environment's reply), and the next generation prompt.
 
+        They are what follows the stand-in assistant turn's end-of-turn token in a render of the stand-in
+        conversation and ``messages``: what the engine sees next. The stand-in turn itself may render differently
+        once messages follow it (Qwen3 writes an empty ``<think></think>`` only into a last assistant turn); the
+        turns before it may not.
+
         Raises:
-            TemplateError: the template rewrites the stand-in conversation when more messages follow, or does not
-                end its assistant turn with the eos token.
+            TemplateError: the template does not end its assistant turn with the eos token, or rewrites the turns
+                before the stand-in assistant turn when messages follow it.
         """
         if self._stand_in is None:
             self._stand_in = self.ids(STAND_IN, generation_prompt=False)
         before = self._stand_in
-        after = self.ids([*STAND_IN, *messages], generation_prompt=True)
-        if after[: len(before)] != before:
-            raise TemplateError(
-                "the chat template is not append-only: the tokens of a conversation change when messages follow it "
-                f"(first at position {first_difference(before, after)}), so turns cannot be appended as token deltas"
-            )
         if self.stop_id not in before:
             raise TemplateError(
                 f"the chat template does not end an assistant turn with the eos token "
@@ -71,8 +71,47 @@ class ChatRenderer:
                 f"a turn: {self.render(STAND_IN, generation_prompt=False)!r}; set the tokenizer's eos_token to the "
                 "template's end-of-turn token (e.g. <|im_end|>)"
             )
-        cut = len(before) - before[::-1].index(self.stop_id)  # just after the stand-in turn's eos
-        return after[cut:]
+        after = self.ids([*STAND_IN, *messages], generation_prompt=True)
+        ends, later = _ends(before, self.stop_id), _ends(after, self.stop_id)
+        earlier = ends[-2]  # the stand-in's ids before its assistant turn, whose end-of-turn token is its last
+        if len(later) < len(ends) or after[:earlier] != before[:earlier]:
+            raise TemplateError(
+                "the chat template is not append-only: the turns before an assistant turn change when messages "
+                f"follow it (first at position {first_difference(before[:earlier], after)}), so turns cannot be "
+                "appended as token deltas"
+            )
+        return after[later[len(ends) - 1] :]
+
+    def opening_ids(self, prompt_ids: list[int], messages: list[dict[str, Any]], observation: str | None) -> list[int]:
+        """The ids that open a trajectory of a run with an environment, after its prompt (``messages`` rendered
+        without the generation prompt, as ``prompt_ids``): the environment's first observation as a user message
+        (when its reset gave one), then the generation prompt.
+
+        Raises:
+            TemplateError: the template renders the prompt differently once a message follows it.
+        """
+        extra = [{"role": "user", "content": observation}] if observation else []
+        after = self.ids([*messages, *extra], generation_prompt=True)
+        if after[: len(prompt_ids)] != prompt_ids:
+            raise TemplateError(
+                "the chat template renders the prompt differently once the environment's first observation follows "
+                f"it (first at position {first_difference(prompt_ids, after)}), so it cannot open the trajectory"
+            )
+        return after[len(prompt_ids) :]
+
+    def shortened(self, text: str, tokens: int, side: str) -> str:
+        """``text`` cut to its first (``side`` "left"), last ("right") or first and last ("middle", half each)
+        ``tokens`` tokens, the cut marked "...(truncated)"; as it is when it is no longer."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= tokens:
+            return text
+        decode = self.tokenizer.decode
+        if side == "left":
+            return decode(ids[:tokens]) + "...(truncated)"
+        if side == "right":
+            return "(truncated)..." + decode(ids[-tokens:])
+        half = tokens // 2
+        return decode(ids[:half]) + "...(truncated)..." + decode(ids[len(ids) - (tokens - half) :])
 
     def drift(self, messages: list[dict[str, Any]], ids: list[int]) -> str:
         """Where ``ids`` (a trajectory's prompt and response, token in / token out) stop matching the re-rendered
@@ -110,6 +149,11 @@ class ChatRenderer:
             return [f"the chat template of {name} ignores tools: the model would never see their schemas; use a "
                     "template that renders `tools` (as Qwen's and Llama's do)"]  # fmt: skip
         return []
+
+
+def _ends(ids: list[int], token: int) -> list[int]:
+    """The position just after each ``token`` in ``ids``, with 0 first (the position after none)."""
+    return [0] + [i + 1 for i, value in enumerate(ids) if value == token]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -106,11 +106,13 @@ def collect_prompts(
     split: str = "train",
     prompts: PromptInput | None = None,
     tools: list[Any] | None = None,
+    generation_prompt: bool = True,
 ) -> tuple[PromptSource | None, PromptReport | None, list[str]]:
     """:func:`load_prompt_source` returning its problems instead of raising them.
 
     ``tools`` (a multi-turn run's tools' schemas; [] for an environment without tools) renders every prompt
-    through the chat template with them, and keeps each prompt's messages in its item (``PROMPT_MESSAGES``).
+    through the chat template with them, and keeps each prompt's messages in its item (``PROMPT_MESSAGES``);
+    ``generation_prompt``: False leaves the template's generation prompt out (a run with an environment).
 
     The source is None when there are problems; the report is there whenever rows were read (its
     ``fields`` let the reward functions be checked even then). Rows of the files that could be read
@@ -124,7 +126,8 @@ def collect_prompts(
     report = PromptReport(split=split, source=where, rows=len(rows), kept=0, longest=0, templated=False, fields=fields)
     values = [r[data.prompt_key] for r in rows]
     chat_template = data.chat_template if tools is None else True
-    texts, report.templated, render_problems = render_prompts(values, tokenizer, chat_template, data.prompt_key, tools)
+    texts, report.templated, render_problems = render_prompts(values, tokenizer, chat_template, data.prompt_key, tools,
+                                                              generation_prompt)  # fmt: skip
     if render_problems:
         return None, report, problems + render_problems
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=not report.templated)["input_ids"]]

@@ -142,8 +142,9 @@ def _import_module(name: str) -> tuple[ModuleType | None, str]:
 def _import_file(path: Path, modules: dict[Path, ModuleType]) -> tuple[ModuleType | None, str]:
     """Run the file as a fresh module (so edits are picked up) whose functions pickle by value.
 
-    Its functions travel to worker processes by value, as a notebook's do: the workers need not
-    find the file.
+    Its functions travel to worker processes by value, as a notebook's do: the workers need not find the file.
+    While it runs, its folder is on the path (as Python runs a script), and the modules it imports from there
+    travel by value too.
     """
     if path in modules:
         return modules[path], ""
@@ -153,14 +154,26 @@ def _import_file(path: Path, modules: dict[Path, ModuleType]) -> tuple[ModuleTyp
         return None, f"{path} cannot be imported as Python"
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    before = set(sys.modules)
+    sys.path.insert(0, str(path.parent))  # as Python runs a script: the modules beside it can be imported
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - the file's own error is what the user must see
         del sys.modules[name]
-        return None, f"{path} failed to import: {type(exc).__name__}: {exc}"
-    cloudpickle.register_pickle_by_value(module)
+        hint = "; put the folder of that module on PYTHONPATH (or the module beside the file)"
+        return None, f"{path} failed to import: {type(exc).__name__}: {exc}" + hint * isinstance(exc, ImportError)
+    finally:
+        sys.path.remove(str(path.parent))
+    for imported in [module, *_beside(set(sys.modules) - before, path.parent)]:
+        cloudpickle.register_pickle_by_value(imported)  # the workers need not find the folder
     modules[path] = module
     return module, ""
+
+
+def _beside(names: set[str], folder: Path) -> list[ModuleType]:
+    """The modules of ``names`` whose files lie in ``folder`` (or below it)."""
+    files = [(sys.modules[n], getattr(sys.modules[n], "__file__", None)) for n in sorted(names) if n in sys.modules]
+    return [m for m, file in files if file and Path(file).resolve().is_relative_to(folder)]
 
 
 def _describe(fn: Any) -> str:

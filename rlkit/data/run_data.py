@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from rlkit.data import agent_tasks
 from rlkit.data.agents import AGENT_FIELDS, Agent, collect_agent
+from rlkit.data.envs import reset_problems
 from rlkit.data.files import PromptInput
-from rlkit.data.loading import PromptReport, collect_prompts
+from rlkit.data.loading import PROMPT_MESSAGES, PromptReport, collect_prompts
 from rlkit.data.named_rewards import collect_rewards, signature_problems
 from rlkit.data.prompts import PromptSource
 from rlkit.data.rewards import WeightedReward, reward_terms
@@ -46,7 +47,9 @@ class RunData:
 
     def summary(self) -> str:
         """Lines for a person: each split's report and the reward terms with their weights."""
-        terms = ", ".join(f"{t.name} x {t.weight:g}" for t in self.rewards) or "the reward model alone"
+        scored = self.agent is not None and self.agent.environment is not None
+        named = [f"{t.name} x {t.weight:g}" for t in self.rewards] + (["environment x 1"] if scored else [])
+        terms = ", ".join(named) or "the reward model alone"
         lines = [*(r.summary() for r in self.reports), f"rewards: {terms}"]
         if self.agent is not None:
             factory = self.agent.environment
@@ -82,11 +85,13 @@ def load_run_data(
     Raises:
         ConfigError: every problem of the data and the rewards at once, each naming the setting and the fix.
     """
+    _check_tools_list(tools)
     if prompts is None and not config.data.train_files and config.model == "tiny-agent":
         prompts, tools, reward_fn = _bundled_agent_task(config, tools, environment, reward_fn)
     agent, problems = collect_agent(config, tokenizer, base_dir=base_dir, tools=tools, environment=environment)
     schemas = None if agent is None else agent.schemas
-    train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas)
+    opens = agent is None or agent.environment is None  # with an environment, the trajectories open the turn
+    train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas, opens)
     problems += train_problems
     val, val_report = None, None
     if agent is not None and (val_prompts is not None or config.data.val_files):
@@ -106,6 +111,7 @@ def load_run_data(
     if fields is None and val_report is not None:
         fields = val_report.fields
     task = prompts is None and not config.data.train_files and config.model == "tiny"
+    problems += _multi_turn_problems(config, agent, None if problems else train)  # no reset on broken data
     if agent is not None and fields is not None:
         problems += _agent_field_problems(fields)
         fields = [*fields, *AGENT_FIELDS]
@@ -132,6 +138,38 @@ def _bundled_agent_task(
     return prompts, tools, reward_fn
 
 
+def _check_tools_list(tools: Any) -> None:
+    """Raise ConfigError naming the fix when ``tools`` is one function (or anything but a list)."""
+    if tools is not None and not isinstance(tools, list | tuple):
+        from rlkit.config import ConfigError  # lazily: config sits beside data, not below it
+
+        name = getattr(tools, "__name__", type(tools).__name__)
+        raise ConfigError([f"tools={name}: give a list of functions, tools=[{name}]"])
+
+
+def _multi_turn_problems(config: RLConfig, agent: Agent | None, train: PromptSource | None) -> list[str]:
+    """[agent] without tools or an environment; an environment that cannot start on the first row of ``train``
+    (None: not tried)."""
+    if agent is None and config.agent != type(config.agent)():
+        return ["[agent] is set, but the run has no tools and no environment, so it would run single-turn: add "
+                "[[tools]] or environment (Trainer(tools=[...]) or Trainer(environment=...)), or remove "
+                "[agent]"]  # fmt: skip
+    if agent is None or agent.environment is None or train is None:
+        return []
+    return _first_row_problems(agent, train)
+
+
+def _first_row_problems(agent: Agent, train: PromptSource) -> list[str]:
+    """The environment made and reset on the first row of the data (a task source has no fixed rows: none)."""
+    assert agent.environment is not None
+    try:
+        row = train.items[0]
+    except TypeError:
+        return []
+    fields = {k: v for k, v in row.items() if k not in ("prompt", PROMPT_MESSAGES)}
+    return reset_problems(agent.environment, fields, agent.limits.call_timeout)
+
+
 def _agent_field_problems(fields: list[str]) -> list[str]:
     clashes = [f for f in fields if f in AGENT_FIELDS]
     return [f"the data has the column(s) {clashes}, which a multi-turn run gives its reward functions (the "
@@ -144,8 +182,10 @@ def _train_source(
     base_dir: str | Path | None,
     prompts: PromptInput | None,
     tools: list[Any] | None,
+    generation_prompt: bool,
 ) -> tuple[PromptSource | None, PromptReport | None, list[str] | None, list[str]]:
-    """(source, report, fields, problems); the bundled task has no report; fields are None when unknown."""
+    """(source, report, fields, problems); the bundled task has no report; fields are None when unknown;
+    ``generation_prompt``: whether the prompts end with the template's generation prompt."""
     if prompts is None and not config.data.train_files:
         if config.model == "tiny":
             return PromptSource(task=AdditionTask(), seed=config.seed), None, TASK_FIELDS, []
@@ -155,7 +195,7 @@ def _train_source(
         ]
     source, report, problems = collect_prompts(
         config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
-        base_dir=base_dir, split="train", prompts=prompts, tools=tools,
+        base_dir=base_dir, split="train", prompts=prompts, tools=tools, generation_prompt=generation_prompt,
     )
     return source, report, report.fields if report is not None else None, problems
 

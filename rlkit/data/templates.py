@@ -6,14 +6,21 @@ from typing import Any
 
 
 def render_prompts(
-    values: list[Any], tokenizer: Any, chat_template: bool | None, prompt_key: str, tools: list[Any] | None = None
+    values: list[Any],
+    tokenizer: Any,
+    chat_template: bool | None,
+    prompt_key: str,
+    tools: list[Any] | None = None,
+    generation_prompt: bool = True,
 ) -> tuple[list[str], bool, list[str]]:
     """The text the model sees for each value of the prompt column.
 
     A value is a string or a list of ``{"role": str, "content": str}`` messages; the column
     must hold one kind. Messages (and strings, with ``chat_template=True``, as one user
     message) go through ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``,
-    with ``tools`` (the tools' JSON schemas of a multi-turn run) when given.
+    with ``tools`` (the tools' JSON schemas of a multi-turn run) when given; without the generation prompt when
+    ``generation_prompt`` is False (a run with an environment: its trajectories open it, after the environment's
+    first observation).
 
     Returns (texts, templated, problems): ``templated`` says whether the chat template was applied.
     """
@@ -38,7 +45,9 @@ def render_prompts(
     messages = [as_messages(v) for v in values]
     try:
         texts = [
-            tokenizer.apply_chat_template(m, tools=tools or None, add_generation_prompt=True, tokenize=False)
+            tokenizer.apply_chat_template(
+                m, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+            )
             for m in messages
         ]
     except Exception as exc:  # noqa: BLE001 - a template that fails on the data is reported, not raised

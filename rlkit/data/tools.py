@@ -24,6 +24,8 @@ class Tool:
     fn: Callable[..., Any]
     schema: dict[str, Any]
     """``{"type": "function", "function": {"name", "description", "parameters": {...}}}``."""
+    method: bool = False
+    """``fn`` is a method of the environment's class: a call runs it on the trajectory's own instance."""
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -43,13 +45,16 @@ class ParsedCall:
     """Empty when the call was read; else what is wrong with it."""
 
 
-def make_tools(functions: Sequence[Callable[..., Any]]) -> tuple[list[Tool], list[str]]:
-    """The tools of ``functions`` and the problems found making their schemas (missing type hints or
-    docstring lines, two tools of one name), each naming the function and the fix."""
+def make_tools(
+    functions: Sequence[Callable[..., Any]], methods: Sequence[Callable[..., Any]] = ()
+) -> tuple[list[Tool], list[str]]:
+    """The tools of ``functions`` and of an environment class's ``methods`` (``self`` is no parameter), and the
+    problems found making their schemas (missing type hints or docstring lines, two tools of one name), each
+    naming the function and the fix."""
     from transformers.utils import get_json_schema
 
     tools, problems = [], []
-    for i, fn in enumerate(functions):
+    for i, fn in enumerate([*functions, *methods]):
         label = getattr(fn, "__qualname__", None) or repr(fn)
         if not callable(fn):
             problems.append(f"tools[{i}] is a {type(fn).__name__}, not a function")
@@ -62,7 +67,7 @@ def make_tools(functions: Sequence[Callable[..., Any]]) -> tuple[list[Tool], lis
                 "every parameter a type hint and the docstring an Args: section with a line per parameter"
             )
             continue
-        tools.append(Tool(schema["function"]["name"], fn, schema))
+        tools.append(Tool(schema["function"]["name"], fn, schema, method=i >= len(functions)))
     names = [t.name for t in tools]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:

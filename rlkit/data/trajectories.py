@@ -12,8 +12,10 @@ from typing import Any
 import pandas as pd
 import torch
 
-CALL_STATUSES = ("ok", "unparsable", "unknown_tool", "bad_arguments", "error", "timeout")
-"""A tool call's outcome; every status but "ok" gives the model an error message as the call's result."""
+CALL_STATUSES = ("ok", "unparsable", "unknown_tool", "bad_arguments", "error", "timeout", "over_limit", "not_run")
+"""A tool call's outcome; "over_limit" (past ``agent.max_parallel_calls``) and the failures give the model an error
+message as the call's result; "not_run": its result could never be shown (the trajectory's last turn, or no room
+left in its budget), so it was not run and is not a failure."""
 
 
 @dataclass(kw_only=True)
@@ -68,6 +70,24 @@ class Trajectory:
     drift: str = ""
     """Where the token-in/token-out ids differ from the re-rendered conversation ("" when they agree)."""
 
+    def records(self) -> list[dict[str, Any]]:
+        """Each turn as plain data (what a run's ``samples/*.jsonl`` keep): its index, the model's text, its tool
+        calls (name, arguments, status, result), the observation that answered it, its reward and how it ended;
+        the trajectory's error on its last turn."""
+        return [
+            {
+                "turn": turn.index,
+                "text": turn.text,
+                "tool_calls": [{"name": c.name, "arguments": c.arguments, "status": c.status, "result": c.result}
+                               for c in turn.calls],  # fmt: skip
+                "observation": turn.observation,
+                "reward": turn.reward,
+                "finish": turn.finish,
+                **({"error": self.error} if self.error and turn is self.turns[-1] else {}),
+            }
+            for turn in self.turns
+        ]
+
     @property
     def env_reward(self) -> float:
         """The environment's rewards summed over the turns."""
@@ -78,8 +98,13 @@ class Trajectory:
         return sum(len(t.calls) for t in self.turns)
 
     @property
+    def ran_calls(self) -> int:
+        """The calls that ran and returned (status "ok")."""
+        return sum(c.status == "ok" for t in self.turns for c in t.calls)
+
+    @property
     def failed_calls(self) -> int:
-        return sum(c.status != "ok" for t in self.turns for c in t.calls)
+        return sum(c.status not in ("ok", "not_run") for t in self.turns for c in t.calls)
 
 
 def turns_frame(

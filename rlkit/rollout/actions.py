@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlkit.data.agents import Agent
-from rlkit.data.envs import Environment, env_step
+from rlkit.data.envs import Environment, EnvStep, checked_step
 from rlkit.data.tools import TOOL_PARSERS, ParsedCall, argument_problem, result_text
 from rlkit.data.trajectories import ToolCall
-from rlkit.rollout.calls import Outcome, run_all
+from rlkit.rollout.calls import CallRunner, Job, Outcome, call
 
 
 @dataclass(kw_only=True)
@@ -30,6 +30,9 @@ class TurnInput:
     clean: str
     """The same without special tokens (what the environment's step reads)."""
     environment: Environment | None
+    can_show: bool = True
+    """Whether tool results could still be shown to the model (not on its last turn, nor with no room left in its
+    budget); when not, its calls are not run (status "not_run")."""
 
 
 @dataclass(kw_only=True)
@@ -48,43 +51,58 @@ class Reaction:
     """The environment failed (the trajectory ends: finish reason "env_error")."""
 
 
-def act(agent: Agent, turns: list[TurnInput]) -> list[Reaction]:
-    """The reaction to every turn: each turn's tool calls (when the agent has tools and the turn made calls), else
-    its environment's step, else the end of the episode. All calls and steps run at once, each within
-    ``agent.limits.call_timeout`` seconds."""
+def act(
+    agent: Agent, turns: list[TurnInput], runner: CallRunner, shorten: Callable[[str], str] = str
+) -> list[Reaction]:
+    """The reaction to every turn: each turn's tool calls (when the agent has tools and the turn made calls; at
+    most ``agent.limits.max_parallel_calls`` of them run), else its environment's step, else the end of the
+    episode. All calls and steps run at once on ``runner``'s loop, each within ``agent.limits.call_timeout``
+    seconds; ``shorten`` cuts each tool result to what the model may read."""
     parse = TOOL_PARSERS[agent.limits.tool_parser]
     parsed = [parse(t.text) if agent.tools else [] for t in turns]
-    jobs: list[Callable[[], Any]] = []
+    jobs: list[Job] = []
     owners: list[tuple[int, int]] = []  # (turn, call) of each job; call -1: the environment's step
     for i, (turn, calls) in enumerate(zip(turns, parsed, strict=True)):
-        for j, call in enumerate(calls):
-            tool = agent.tool(call.name)
-            if not call.error and tool is not None and not argument_problem(tool, call.arguments or {}):
-                jobs.append(_tool_job(tool.fn, call.arguments or {}))
+        for j, parsed_call in enumerate(calls[: agent.limits.max_parallel_calls] if turn.can_show else []):
+            tool = agent.tool(parsed_call.name)
+            arguments = parsed_call.arguments or {}
+            if not parsed_call.error and tool is not None and not argument_problem(tool, arguments):
+                fn = getattr(turn.environment, tool.name) if tool.method else tool.fn  # a method: this one's own
+                jobs.append(_tool_job(fn, arguments))
                 owners.append((i, j))
-        if not calls and turn.environment is not None:
+        if not calls and turn.environment is not None and callable(getattr(turn.environment, "step", None)):
             jobs.append(_step_job(turn.environment, turn.clean))
             owners.append((i, -1))
-    outcomes = dict(zip(owners, run_all(jobs, agent.limits.call_timeout), strict=True))
+    outcomes = dict(zip(owners, runner.run_all(jobs, agent.limits.call_timeout), strict=True))
     return [
-        _reaction(agent, turn, calls, i, outcomes) for i, (turn, calls) in enumerate(zip(turns, parsed, strict=True))
+        _reaction(agent, turn, calls, i, outcomes, shorten)
+        for i, (turn, calls) in enumerate(zip(turns, parsed, strict=True))
     ]
 
 
-def _tool_job(fn: Callable[..., Any], arguments: dict[str, Any]) -> Callable[[], Any]:
-    return lambda: fn(**arguments)
+def _tool_job(fn: Callable[..., Any], arguments: dict[str, Any]) -> Job:
+    return lambda: call(fn, **arguments)
 
 
-def _step_job(environment: Environment, text: str) -> Callable[[], Any]:
-    return lambda: env_step(environment, text)
+def _step_job(environment: Environment, text: str) -> Job:
+    return lambda: _step(environment, text)
+
+
+async def _step(environment: Environment, text: str) -> EnvStep:
+    return checked_step(await call(environment.step, text))
 
 
 def _reaction(
-    agent: Agent, turn: TurnInput, calls: list[ParsedCall], i: int, outcomes: dict[tuple[int, int], Outcome]
+    agent: Agent,
+    turn: TurnInput,
+    calls: list[ParsedCall],
+    i: int,
+    outcomes: dict[tuple[int, int], Outcome],
+    shorten: Callable[[str], str],
 ) -> Reaction:
     """One turn's reaction from its parsed calls and the outcomes of the jobs it ran."""
     if calls:
-        records = [_call_record(agent, call, outcomes.get((i, j))) for j, call in enumerate(calls)]
+        records = [_call_record(agent, turn, call, j, outcomes.get((i, j)), shorten) for j, call in enumerate(calls)]
         messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
         return Reaction(messages=messages, observation="\n".join(r.result for r in records), calls=records)
     step = outcomes.get((i, -1))
@@ -98,13 +116,20 @@ def _reaction(
     return Reaction(messages=messages, observation=observation, reward=reward, done=done)
 
 
-def _call_record(agent: Agent, call: ParsedCall, outcome: Outcome | None) -> ToolCall:
-    """The record of one call: what the model reads back and the call's status."""
+def _call_record(
+    agent: Agent, turn: TurnInput, call: ParsedCall, j: int, outcome: Outcome | None, shorten: Callable[[str], str]
+) -> ToolCall:
+    """The record of call ``j`` of ``turn``: what the model reads back and the call's status."""
 
     def record(status: str, result: str, seconds: float = 0.0) -> ToolCall:
         return ToolCall(name=call.name, arguments=call.arguments, status=status, result=result, seconds=seconds)
 
-    tool = agent.tool(call.name)
+    tool, limit = agent.tool(call.name), agent.limits.max_parallel_calls
+    if not turn.can_show:
+        return record("not_run", "")
+    if j >= limit:
+        return record("over_limit", f"error: not run: at most {limit} call{'s' * (limit > 1)} per turn "
+                      "(agent.max_parallel_calls)")  # fmt: skip
     if call.error:
         return record("unparsable", f"error: the tool call could not be read: {call.error}")
     if tool is None:
@@ -116,4 +141,4 @@ def _call_record(agent: Agent, call: ParsedCall, outcome: Outcome | None) -> Too
         return record("timeout", f"error: {call.name} took longer than {outcome.seconds:g} s", outcome.seconds)
     if outcome.error is not None:
         return record("error", f"error: {call.name} raised {type(outcome.error).__name__}: {outcome.error}")
-    return record("ok", result_text(outcome.value), outcome.seconds)
+    return record("ok", shorten(result_text(outcome.value)), outcome.seconds)

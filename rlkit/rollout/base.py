@@ -23,6 +23,10 @@ class SamplingParams:
     top_p: float
     seed: int
     """Seeds this call's sampling (same seed, same completions on the same engine)."""
+    logprob_rows: tuple[bool, ...] | None = None
+    """[N] which prompts' completions carry the engine's log-probs, where the caller picks them (a multi-turn
+    rollout keeps whole trajectories); None: the engine's own pick (vLLM: ``logprob_fraction`` of the prompts).
+    Engines that always return them (HF generate) ignore it."""
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,8 @@
 """Multi-turn rollouts on one rank, token in / token out: one batched engine call per turn over the live trajectories.
 
-Each trajectory is a growing list of ids after its prompt: the engine's sampled ids of every model turn
+Each trajectory is a growing list of ids after its prompt (with an environment: first its opening, the first
+observation that reset returned and the generation prompt, which the prompt is rendered without): the engine's
+sampled ids of every model turn
 (loss mask 1, with the engine's log-probs) and, between turns, the ids of the observation that answered it
 (tool results or the environment's reply, rendered as a token delta by :class:`~rlkit.data.chat.ChatRenderer`;
 attended to, loss mask 0). The model's tokens are never decoded and re-encoded into the sequence. A turn's
@@ -17,7 +19,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +27,13 @@ from typing import Any
 import torch
 
 from rlkit.data.agents import Agent
-from rlkit.data.chat import ChatRenderer
-from rlkit.data.envs import Environment, EnvironmentFactory, finish
+from rlkit.data.chat import ChatRenderer, TemplateError
+from rlkit.data.envs import Environment
 from rlkit.data.trajectories import Trajectory, Turn
 from rlkit.rollout.actions import Reaction, TurnInput, act
-from rlkit.rollout.base import Generation, RolloutEngine, SamplingParams
-from rlkit.rollout.calls import run_all
+from rlkit.rollout.base import Generation, RolloutEngine, SamplingParams, logprob_prompts
+from rlkit.rollout.calls import CallRunner
+from rlkit.rollout.environments import final, fresh
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +74,15 @@ class _Open:
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
     environment: Environment | None = None
+    observation: str | None = None
+    """What the environment's reset returned: the first observation, or None."""
     ids: list[int] = field(default_factory=list)
     model: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turn_of: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     engine_logprobs: bool = True
+    """Whether every model turn carries the engine's log-probs (asked for whole groups of trajectories)."""
     finish: str = ""
     error: str = ""
 
@@ -102,6 +108,7 @@ def run_episodes(
     params: SamplingParams,
     *,
     first_row: int = 0,
+    runner: CallRunner | None = None,
 ) -> Episodes:
     """``params.n`` trajectories of each prompt, run to their end.
 
@@ -109,31 +116,64 @@ def run_episodes(
         inputs: the N prompts' messages and fields.
         prompt_ids, prompt_mask: [N, P] the same prompts rendered (with the tools) and left-padded.
         first_row: the batch row of this rank's first trajectory (errors name trajectories by batch row).
+        runner: the event loop of the tool calls and environment methods (the worker's; None: one for this call).
     """
+    own = runner is None
+    runner = runner or CallRunner()
+    try:
+        return _run(engine, renderer, agent, inputs, prompt_ids, prompt_mask, params, first_row, runner)
+    finally:
+        if own:
+            runner.close()
+
+
+def _run(
+    engine: RolloutEngine,
+    renderer: ChatRenderer,
+    agent: Agent,
+    inputs: list[EpisodeInput],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    first_row: int,
+    runner: CallRunner,
+) -> Episodes:
     times = {"episodes/engine": 0.0, "episodes/calls": 0.0, "episodes/render": 0.0}
     width, limits = params.max_new_tokens, agent.limits
     # 1. a trajectory per prompt and sample: its prompt's ids and messages, a fresh environment reset with its fields
     with _timed(times, "episodes/calls"):
-        states = _start(agent, inputs, prompt_ids, prompt_mask, params.n, first_row)
-    for turn in range(limits.max_turns):
-        live = [s for s in states if not s.finish]
-        if not live:
-            break
-        # 2. one engine call over every live trajectory's whole context
-        with _timed(times, "episodes/engine"):
-            gen = _generate(engine, renderer.tokenizer.pad_token_id, live, params, turn, limits.max_turn_tokens,
-                            prompt_ids.device)  # fmt: skip
-        # 3. append each one's sampled ids (loss mask 1, engine log-probs); no end-of-turn token ends it: "length"
-        for row, state in enumerate(live):
-            _append_model_turn(state, gen, row, turn, width, renderer)
-        acting = [s for s in live if not s.finish]
-        # 4. the turn's tool calls and environment steps, across trajectories, all at once
+        states = _start(agent, inputs, prompt_ids, prompt_mask, params.n, first_row, runner)
+    if agent.environment is not None:
+        _open(states, renderer, width)
+    # whole groups of trajectories carry the engine's log-probs, at every turn (vLLM's share; HF generate: all)
+    wanted = logprob_prompts(len(inputs), getattr(engine, "logprob_fraction", 1.0)).repeat_interleave(params.n)
+    for state, keep in zip(states, wanted.tolist(), strict=True):
+        state.engine_logprobs = keep
+    smallest, shorten = _tool_result_limits(agent, renderer)
+    try:
+        for turn in range(limits.max_turns):
+            live = [s for s in states if not s.finish]
+            if not live:
+                break
+            # 2. one engine call over every live trajectory's whole context
+            with _timed(times, "episodes/engine"):
+                gen = _generate(engine, renderer.tokenizer.pad_token_id, live, params, turn, limits.max_turn_tokens,
+                                prompt_ids.device)  # fmt: skip
+            # 3. append each one's sampled ids (loss mask 1, engine log-probs); no end-of-turn token ends it: "length"
+            for row, state in enumerate(live):
+                _append_model_turn(state, gen, row, turn, width, renderer)
+            acting, last = [s for s in live if not s.finish], turn == limits.max_turns - 1
+            # 4. the turn's tool calls (those whose results can be shown) and environment steps, all at once
+            with _timed(times, "episodes/calls"):
+                inputs_ = [_turn_input(s, turn, renderer, not last and width - len(s.ids) > smallest) for s in acting]
+                reactions = act(agent, inputs_, runner, shorten)
+            # 5. append each reaction's ids (loss mask 0), or end: answered, env_error, max_turns, budget
+            with _timed(times, "episodes/render"):
+                for state, reaction in zip(acting, reactions, strict=True):
+                    _append_reaction(state, reaction, renderer, turn, last=last, width=width)
+    finally:
         with _timed(times, "episodes/calls"):
-            reactions = act(agent, [_turn_input(s, turn, renderer) for s in acting])
-        # 5. append each reaction's ids (loss mask 0), or end: answered, env_error, max_turns, budget
-        with _timed(times, "episodes/render"):
-            for state, reaction in zip(acting, reactions, strict=True):
-                _append_reaction(state, reaction, renderer, turn, last=turn == limits.max_turns - 1, width=width)
+            _finish_environments(states, runner, limits.call_timeout)
     # 6. the drift check against each re-rendered conversation, then the tensors
     with _timed(times, "episodes/render"):
         trajectories = [_trajectory(s, renderer) for s in states]
@@ -142,9 +182,15 @@ def run_episodes(
 
 
 def _start(
-    agent: Agent, inputs: list[EpisodeInput], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, first: int
+    agent: Agent,
+    inputs: list[EpisodeInput],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    n: int,
+    first: int,
+    runner: CallRunner,
 ) -> list[_Open]:
-    """The open trajectories, prompt-major; each environment made and reset on a thread of its own."""
+    """The open trajectories, prompt-major; each environment made and reset on the runner's loop."""
     states: list[_Open] = []
     for i, item in enumerate(inputs):
         ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
@@ -155,21 +201,46 @@ def _start(
     if factory is None:
         return states
     fields = [item.fields for item in inputs for _ in range(n)]
-    jobs = [functools.partial(_fresh, factory, f) for f in fields]
-    for state, outcome in zip(states, run_all(jobs, agent.limits.call_timeout), strict=True):
-        if outcome.timed_out or outcome.error is not None:
-            why = f"timed out after {outcome.seconds:g} s" if outcome.timed_out else repr(outcome.error)
-            state.error = f"{state.name}: the environment's reset failed: {why}"
+    jobs = [functools.partial(fresh, factory, f) for f in fields]
+    for state, outcome in zip(states, runner.run_all(jobs, agent.limits.call_timeout), strict=True):
+        if outcome.failed:
+            state.error = f"{state.name}: the environment's reset failed: {outcome.why}"
             state.end("env_error")
         else:
-            state.environment = outcome.value
+            state.environment, state.observation = outcome.value
     return states
 
 
-def _fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> Environment:
-    environment = factory()
-    finish(environment.reset(**fields))
-    return environment
+def _open(states: list[_Open], renderer: ChatRenderer, width: int) -> None:
+    """Open the trajectories of a run with an environment (whose prompts end without the generation prompt): the
+    first observation, when reset gave one, as a user message, and the generation prompt (loss mask 0)."""
+    for state in states:
+        if state.finish:
+            continue
+        try:
+            ids = renderer.opening_ids(state.prompt_ids, state.messages, state.observation)
+        except TemplateError as exc:
+            state.error = f"{state.name}: {exc}"
+            state.end("env_error")
+            continue
+        if len(ids) + 1 > width:  # the opening and one model token must fit
+            state.end("budget")
+            continue
+        state.messages += [{"role": "user", "content": state.observation}] if state.observation else []
+        state.extend(ids, model=False, turn=0)
+
+
+def _finish_environments(states: list[_Open], runner: CallRunner, timeout: float) -> None:
+    """Every environment's ``get_reward()`` (its value joins the last turn's reward; a failure ends the trajectory
+    with env_error) and ``close()`` (a failure is logged), those it has, all at once on the runner's loop."""
+    opened = [(s, s.environment) for s in states if s.environment is not None]
+    outcomes = runner.run_all([functools.partial(final, environment, s.name) for s, environment in opened], timeout)
+    for (state, _), outcome in zip(opened, outcomes, strict=True):
+        if outcome.failed and not state.error:
+            state.error = f"{state.name}: the environment's get_reward failed: {outcome.why}"
+            state.end("env_error")
+        elif outcome.value is not None and state.turns:
+            state.turns[-1].reward += float(outcome.value)
 
 
 def _generate(
@@ -194,7 +265,7 @@ def _generate(
     cap = min(room, turn_cap) if turn_cap else room
     turn_params = dataclasses.replace(
         params, n=1, max_new_tokens=cap, min_new_tokens=min(params.min_new_tokens, cap),
-        seed=params.seed + turn * TURN_SEED_STRIDE,
+        seed=params.seed + turn * TURN_SEED_STRIDE, logprob_rows=tuple(s.engine_logprobs for s in live),
     )  # fmt: skip
     return engine.generate(ids.to(device), mask.to(device), turn_params)
 
@@ -214,13 +285,26 @@ def _append_model_turn(state: _Open, gen: Generation, row: int, turn: int, width
         state.end("length")
 
 
-def _turn_input(state: _Open, turn: int, renderer: ChatRenderer) -> TurnInput:
+def _tool_result_limits(agent: Agent, renderer: ChatRenderer) -> tuple[int, Callable[[str], str]]:
+    """The tokens an empty tool result takes with the next generation prompt (no room for one more: a turn's
+    calls are not run), and how a tool's result is cut to ``agent.max_tool_response_tokens``."""
+    limits = agent.limits
+    smallest = len(renderer.observation_ids([{"role": "tool", "name": "", "content": ""}])) + 1 if agent.tools else 0
+    if not limits.max_tool_response_tokens:
+        return smallest, str
+    return smallest, functools.partial(
+        renderer.shortened, tokens=limits.max_tool_response_tokens, side=limits.tool_response_truncate_side
+    )
+
+
+def _turn_input(state: _Open, turn: int, renderer: ChatRenderer, can_show: bool) -> TurnInput:
     """What the calls of ``state``'s last model turn see: its text (special tokens kept: a parser may need them)
-    and, for the environment, the same text without them."""
+    and, for the environment, the same text without them; ``can_show``: whether tool results can still be shown."""
     last = state.turns[-1]
     model_ids = [i for i in state.ids[last.start : last.end] if i != renderer.stop_id]
     clean = renderer.tokenizer.decode(model_ids, skip_special_tokens=True)
-    return TurnInput(name=f"{state.name}, turn {turn}", text=last.text, clean=clean, environment=state.environment)
+    return TurnInput(name=f"{state.name}, turn {turn}", text=last.text, clean=clean, environment=state.environment,
+                     can_show=can_show)  # fmt: skip
 
 
 def _append_reaction(
@@ -286,7 +370,8 @@ def _pack(
 
 
 def _log_failures(states: list[_Open], trajectories: list[Trajectory]) -> None:
-    """One warning naming the failed tool calls and environments of this rank's trajectories (the first few)."""
+    """One log record (info: the rank's log file) naming every failed tool call and environment of this rank's
+    trajectories."""
     failures = [t.error for t in trajectories if t.error]
     failures += [
         f"{s.name}, turn {turn.index}, call {j} ({c.name or 'unreadable'}): "
@@ -294,11 +379,10 @@ def _log_failures(states: list[_Open], trajectories: list[Trajectory]) -> None:
         for s, t in zip(states, trajectories, strict=True)
         for turn in t.turns
         for j, c in enumerate(turn.calls)
-        if c.status != "ok"
+        if c.status not in ("ok", "not_run")
     ]
-    if failures:
-        shown = "\n  ".join(failures[:5])
-        logger.warning("%d tool call(s) or environment(s) failed:\n  %s", len(failures), shown)
+    if failures:  # the rank's log keeps them all; the controller prints a summary per step
+        logger.info("%d tool call(s) or environment(s) failed:\n  %s", len(failures), "\n  ".join(failures))
 
 
 @contextmanager

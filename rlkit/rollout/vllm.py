@@ -173,7 +173,7 @@ class VLLMEngine:
         # the sampled token's log-prob only, as plain float lists (not a dict of objects per token)
         with_logprobs = VLLMSamplingParams(**common, logprobs=0, flat_logprobs=True)
         plain = VLLMSamplingParams(**common)
-        chosen = [logprob_prompts(len(prompt_ids), self.logprob_fraction) for prompt_ids, _ in shards]
+        chosen = self._logprob_prompts(shards, params.logprob_rows)
         sampling = [with_logprobs if c else plain for c in torch.cat(chosen).tolist()]
         lora_request = self._lora_request
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=lora_request) if prompts else []
@@ -186,6 +186,18 @@ class VLLMEngine:
             generations.append(_to_generation(completions[start:end], rows, width, pad, prompt_ids.device))
             start = end
         return generations
+
+    def _logprob_prompts(
+        self, shards: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: tuple[bool, ...] | None
+    ) -> list[torch.Tensor]:
+        """[N_i] bool per shard: the prompts whose completions carry log-probs, ``rows`` (the shards' prompts in
+        order) where given, else ``logprob_fraction`` of each shard's own."""
+        sizes = [len(prompt_ids) for prompt_ids, _ in shards]
+        if rows is None:
+            return [logprob_prompts(size, self.logprob_fraction) for size in sizes]
+        if len(rows) != sum(sizes):
+            raise ValueError(f"SamplingParams.logprob_rows has {len(rows)} values for {sum(sizes)} prompts")
+        return list(torch.tensor(rows, dtype=torch.bool).split(sizes))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Reload the engine's weights in place from (name, full tensor) pairs; returns how many.

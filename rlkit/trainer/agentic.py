@@ -8,11 +8,16 @@ from typing import Any
 
 import torch
 
+from rlkit.algos.dapo import TRUNCATED
+from rlkit.config import RLConfig
 from rlkit.config.agent import FINISH_REASONS
 from rlkit.data.batch import Batch
 from rlkit.data.loading import PROMPT_MESSAGES
 from rlkit.rollout.episodes import EpisodeInput
 
+ENV_ERROR = "env_error"
+SHOWN_ERRORS = 3
+"""Environment failures quoted when a rollout fails for them."""
 ENVIRONMENT_TERM = "environment"
 """The reward term of an environment's rewards (each trajectory's sum over its turns), weight 1."""
 
@@ -60,10 +65,48 @@ def trajectory_metrics(batch: Batch) -> dict[str, float]:
     return {
         "agent/turns/mean": sum(len(t.turns) for t in trajectories) / count,
         "agent/tool_calls/mean": calls / count,
-        "agent/tool_use_frac": sum(t.tool_calls > t.failed_calls for t in trajectories) / count,  # a call that ran
+        "agent/tool_use_frac": sum(t.ran_calls > 0 for t in trajectories) / count,
         "agent/failed_calls_frac": sum(t.failed_calls for t in trajectories) / max(calls, 1),
         "agent/env_reward/mean": sum(t.env_reward for t in trajectories) / count,
+        "agent/env_errors": float(reasons[ENV_ERROR]),
         "agent/drift_frac": sum(bool(t.drift) for t in trajectories) / count,
         "agent/trajectory_length/mean": batch.trajectory_lengths.float().mean().item(),
         **{f"agent/finish/{reason}_frac": reasons[reason] / count for reason in FINISH_REASONS},
     }
+
+
+def left_out_of_loss(config: RLConfig) -> tuple[str, ...]:
+    """The finish reasons whose samples leave the loss: the truncated ones with ``mask_truncated``, failed
+    environments unless ``agent.keep_env_errors``."""
+    truncated = TRUNCATED if config.mask_truncated else ()
+    return truncated + (() if config.agent.keep_env_errors else (ENV_ERROR,))
+
+
+def env_error_failure(batch: Batch) -> str:
+    """Why a rollout cannot train when more than half its trajectories ended with "env_error" (the environment
+    cannot run on this data, or is not an environment), quoting the first errors; "" otherwise."""
+    failed = [t.error for t in batch.trajectories or [] if t.finish_reason == ENV_ERROR]
+    count = len(batch.trajectories or [])
+    if 2 * len(failed) <= count:
+        return ""
+    shown = "\n  ".join(failed[:SHOWN_ERRORS])
+    return (
+        f"{len(failed)} of {count} trajectories ended with env_error (their environment raised or timed out), so "
+        f"this step would train on almost nothing; the first:\n  {shown}\nfix the environment (or the data its "
+        "reset gets); the rollout is in trainer.last_batch (batch.turns_frame() shows each turn)"
+    )
+
+
+def failure_summary(batch: Batch) -> str:
+    """A step's failed tool calls by status and failed environments, in one line ("" when none failed); each is
+    named in its rank's log and in ``batch.turns_frame()``."""
+    trajectories = batch.trajectories or []
+    statuses = Counter(c.status for t in trajectories for u in t.turns for c in u.calls if c.status != "not_run")
+    failed = {s: n for s, n in sorted(statuses.items()) if s != "ok"}
+    errors = sum(t.finish_reason == ENV_ERROR for t in trajectories)
+    if not failed and not errors:
+        return ""
+    parts = [f"{sum(failed.values())} of {sum(statuses.values())} tool calls failed ("
+             + ", ".join(f"{n} {s}" for s, n in failed.items()) + ")"] if failed else []  # fmt: skip
+    parts += [f"{errors} of {len(trajectories)} environments failed"] if errors else []
+    return "; ".join(parts) + ": details in the rank logs and batch.turns_frame()"

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlkit.algos import mask_truncated
+from rlkit.algos import mask_finished
 from rlkit.data.batch import Batch
 from rlkit.data.loading import PROMPT_MESSAGES
 from rlkit.data.trajectories import Trajectory
@@ -80,15 +80,15 @@ def _completions(tokenizer: Any, response_ids: torch.Tensor, trajectories: list[
     return tokenizer.batch_decode(last, skip_special_tokens=True)
 
 
-def policy_rows(shard: Batch, drop_truncated: bool, engine_logprobs: bool = True) -> PolicyRows:
-    """The rows of the policy update; with ``drop_truncated`` the truncated completions leave the loss (DAPO);
-    ``engine_logprobs``: the engine's log-probs go along (none were asked for when False)."""
+def policy_rows(shard: Batch, dropped: tuple[str, ...] = (), engine_logprobs: bool = True) -> PolicyRows:
+    """The rows of the policy update; the samples whose finish reason is in ``dropped`` leave the loss (truncated
+    ones with DAPO's mask_truncated, failed environments); ``engine_logprobs``: the engine's log-probs go along
+    (none were asked for when False)."""
     assert shard.advantages is not None
-    loss_mask = mask_truncated(shard.response_mask, shard.finish_reason) if drop_truncated else shard.response_mask
     return PolicyRows(
         input_ids=shard.input_ids,
         attention_mask=shard.attention_mask,
-        response_mask=loss_mask,
+        response_mask=mask_finished(shard.response_mask, shard.finish_reason, dropped),
         advantages=shard.advantages,
         old_logprobs=shard.old_logprobs,
         ref_logprobs=shard.ref_logprobs,
@@ -96,12 +96,13 @@ def policy_rows(shard: Batch, drop_truncated: bool, engine_logprobs: bool = True
     )
 
 
-def critic_rows(shard: Batch) -> CriticRows:
+def critic_rows(shard: Batch, dropped: tuple[str, ...] = ()) -> CriticRows:
+    """The rows of the critic update; the samples whose finish reason is in ``dropped`` leave the value loss."""
     assert shard.values is not None and shard.returns is not None
     return CriticRows(
         input_ids=shard.input_ids,
         attention_mask=shard.attention_mask,
-        response_mask=shard.response_mask,
+        response_mask=mask_finished(shard.response_mask, shard.finish_reason, dropped),
         old_values=shard.values,
         returns=shard.returns,
     )

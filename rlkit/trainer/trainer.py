@@ -156,6 +156,11 @@ class Trainer(PolicyTrainerBase):
         seeds = self._draw_seeds()  # every rollout its own: a re-run cell or a refill samples anew
         batch, results = self._generated(items, prompt_ids, prompt_mask, seeds)
         self._record("rollout", start, results)
+        if failure := agentic.env_error_failure(batch):
+            self.last_batch = batch
+            raise RuntimeError(failure)
+        if failures := agentic.failure_summary(batch):
+            logger.warning("rollout: %s", failures)
         if self._critic is not None:
             values = self._critic.call(
                 CriticWorker.values,
@@ -285,13 +290,14 @@ class Trainer(PolicyTrainerBase):
         start = time.perf_counter()
         shards = batch.split(self.cluster.world_size)
         metrics: dict[str, float] = {}
+        dropped = agentic.left_out_of_loss(self.config)
         if self._critic is not None:
-            critic_rows_per_rank = [critic_rows(shard) for shard in shards]
+            critic_rows_per_rank = [critic_rows(shard, dropped) for shard in shards]
             critic_results = self._critic.call(CriticWorker.update, PerRank(critic_rows_per_rank))
             self._record("update", start, critic_results)
             metrics.update(critic_results[0].metrics)
         engine = bool(batch.engine_checked().any())  # the engine's log-probs go along when it returned any
-        rows = [policy_rows(shard, self.config.mask_truncated, engine) for shard in shards]
+        rows = [policy_rows(shard, dropped, engine) for shard in shards]
         results = self._policy.call(PolicyWorker.update, PerRank(rows))
         self._record("update", start, results)
         if batch.old_logprobs is None:  # recompute_logprobs=False: the update's forward scored the rollout

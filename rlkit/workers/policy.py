@@ -36,6 +36,7 @@ from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
 from rlkit.rollout import SamplingParams, build_engine
 from rlkit.rollout.base import Generation
+from rlkit.rollout.calls import CallRunner
 from rlkit.rollout.episodes import EpisodeInput, Episodes, run_episodes
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.batches import PolicyRows, Rows, global_counts, in_micro_batches, micro_batches, mini_batches
@@ -86,6 +87,8 @@ class PolicyWorker(ActorRole):
             trust_remote_code=config.trust_remote_code,
             adapters=self.lora if config.rollout.lora_sync == "adapter" else None,
         )
+        self.calls = None if agent is None else CallRunner()  # after the engine: its thread is not forked with it
+        """The event loop of every rollout's tool calls and environment methods on this worker."""
         self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
         self.engine_synced_at = 0
         """The optimizer step whose weights the engine holds (it starts with the model directory's, step 0)."""
@@ -176,7 +179,7 @@ class PolicyWorker(ActorRole):
             raise ValueError("trajectories need the worker's agent: build PolicyWorker with agent=...")
         first_row = self.rank * len(prompt_ids) * params.n
         gen = run_episodes(self.engine, self.renderer, self.agent, episodes, prompt_ids, prompt_mask, params,
-                           first_row=first_row)  # fmt: skip
+                           first_row=first_row, runner=self.calls)  # fmt: skip
         self.clock.times.update(gen.times)
         return gen
 
@@ -324,9 +327,11 @@ class PolicyWorker(ActorRole):
         self.sync_engine()
 
     def close(self) -> None:
-        """Stop the rollout engine (and any processes it owns)."""
+        """Stop the rollout engine (and any processes it owns) and the tool calls' event loop."""
         super().close()
         self.engine.close()
+        if self.calls is not None:
+            self.calls.close()
 
 
 def _trajectory_fields(gen: Generation) -> dict:
