@@ -1,6 +1,8 @@
 """Training-inference mismatch on 2 gloo workers with the hf engine and the tiny model: the metrics every step, and
-trainer.mismatch() naming each planted cause (a repetition penalty, a skipped weight sync, a bf16 engine) and none
-on a clean run; then the checks alone on hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
+trainer.mismatch()/certify() naming each planted cause (a repetition penalty, a skipped weight sync, an engine
+weight's rows reversed, an unreported top-k in fp32 and bf16, a rank whose engine ignores its loads) and calling
+clean runs (fp32 and bf16 engines) clean against the floor measured on the same rows; then the checks alone on
+hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
 
 import math
 
@@ -14,7 +16,7 @@ from rlkit.diagnostics.rescore import PENALTY_GRID, Rescored, nucleus_logits, pe
 from tests.test_vllm import skip_syncs
 
 CAUSES = {"sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens",
-          "sampling: repetition_penalty", "stale weights", "dtype floor", "tokenisation"}  # fmt: skip
+          "sampling: repetition_penalty", "stale weights", "tokenisation"}  # fmt: skip
 
 
 def plant_repetition_penalty(penalty: float | None) -> None:
@@ -36,6 +38,57 @@ def plant_repetition_penalty(penalty: float | None) -> None:
         return generate(model, *args, logits_processor=processors, **kwargs)
 
     model.generate = penalised
+
+
+def plant_top_k(k: int | None) -> None:
+    """On a worker: the hf engine samples (and reports log-probs) from the top ``k`` tokens only, through a logits
+    processor rlkit did not set (None: remove it)."""
+    from transformers import TopKLogitsWarper
+
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    model = local_instance(PolicyWorker).engine.model
+    if k is None:
+        vars(model).pop("generate", None)
+        return
+    generate = type(model).generate
+
+    def truncated(*args, logits_processor=None, **kwargs):
+        return generate(model, *args, logits_processor=[TopKLogitsWarper(k), *(logits_processor or [])], **kwargs)
+
+    model.generate = truncated
+
+
+def reverse_rows(name: str) -> None:
+    """On a worker: the rows of the engine's tensor ``name`` in reverse order (its sum and sum of squares kept), as a
+    sync that stacks or copies in the wrong order leaves them."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    param = local_instance(PolicyWorker).engine.model.get_parameter(name)
+    param.data = param.data.flip(0)
+
+
+def ignore_loads(rank: int | None) -> None:
+    """On a worker: rank ``rank``'s engine takes every weight a sync sends and keeps none, reporting them loaded
+    (None: restore every engine and sync)."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    worker = local_instance(PolicyWorker)
+    if rank is None:
+        vars(worker.engine).pop("load_weights", None)
+        worker.sync_engine()
+    elif worker.rank == rank:
+        worker.engine.load_weights = lambda weights: sum(1 for _ in weights)
+
+
+def resync() -> None:
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    local_instance(PolicyWorker).sync_engine()
 
 
 def engine_in(dtype_name: str) -> None:
@@ -70,6 +123,7 @@ def test_clean_run_measures_every_step_and_names_no_cause(trainer):
     assert {"position", "token_id", "token", "engine_logprob", "trainer_logprob", "ratio", "turn"} <= set(report.tokens)
     floor = trainer.certify()
     assert floor.clean and floor.abs_delta_mean < 1e-4 and floor.tokens > 0, str(floor)
+    assert floor.verdict.startswith("clean") and floor.floor > 0, str(floor)
 
 
 @pytest.mark.timeout(120)
@@ -94,21 +148,66 @@ def test_a_skipped_sync_is_named(trainer):
         trainer.cluster.run(skip_syncs, False)
     assert report.causes == ["stale weights"], str(report)
     evidence = report.checks.set_index("check").loc["stale weights", "evidence"]
-    assert "0 differ" not in evidence and "the engine holds optimizer step" in evidence
+    assert "fingerprints differ" in evidence and "the engine last confirmed the weights of optimizer step" in evidence
     assert trainer.mismatch().causes == []  # synced again
 
 
 @pytest.mark.timeout(120)
-def test_a_bf16_engine_is_named_as_a_dtype_floor(trainer):
+def test_a_bf16_engine_is_clean_against_its_bf16_floor(trainer):
     trainer.cluster.run(engine_in, "bfloat16")
     try:
-        report = trainer.mismatch()
         floor = trainer.certify()
     finally:
         trainer.cluster.run(engine_in, "float32")
-    assert report.causes == ["dtype floor"], str(report)
-    assert report.dtypes == {"trainer": "float32", "engine": "bfloat16"}
-    assert floor.causes == ["dtype floor"] and 1e-3 < floor.abs_delta_mean < 3e-2, str(floor)
+    assert floor.clean and floor.verdict.startswith("clean"), str(floor)
+    assert floor.dtypes == {"trainer": "float32", "engine": "bfloat16"}
+    assert 1e-3 < floor.floor < 3e-2 and abs(floor.abs_delta_mean - floor.floor) <= floor.tolerance, str(floor)
+    assert "bfloat16 copy of the engine's model" in floor.verdict
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_weight_with_its_rows_reversed_is_named(trainer):
+    trainer.cluster.run(reverse_rows, "model.layers.0.mlp.down_proj.weight")  # after the last sync
+    try:
+        floor = trainer.certify()
+    finally:
+        trainer.cluster.run(resync)
+    assert not floor.clean and floor.causes == ["stale weights"], str(floor)
+    evidence = floor.report.checks.set_index("check").loc["stale weights", "evidence"]
+    assert "rank 0: 1 of" in evidence and "rank 1: 1 of" in evidence and "mlp.down_proj" in evidence, evidence
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("dtype", "k"), [("float32", 8), ("bfloat16", 8), ("bfloat16", 4)])
+def test_an_unreported_top_k_is_named(trainer, dtype, k):
+    trainer.cluster.run(engine_in, dtype)
+    trainer.cluster.run(plant_top_k, k)
+    try:
+        floor = trainer.certify(max_rows=128)  # ~400 tokens: a top-k of 8 shifts bf16 log-probs by ~5 standard errors
+    finally:
+        trainer.cluster.run(plant_top_k, None)
+        trainer.cluster.run(engine_in, "float32")
+    assert not floor.clean and floor.causes == ["sampling: top_p/top_k"], str(floor)
+    assert f"renormalised as top_k={k} " in floor.report.checks.set_index("check").loc["sampling: top_p/top_k",
+                                                                                      "evidence"], str(floor)
+    assert not floor.report.floor.within, str(floor.report.floor)  # the bias (bf16) or the gap (fp32) beyond it
+    print(floor.report.floor)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_whose_engine_ignores_its_loads_is_named_with_its_figures(trainer):
+    trainer.cluster.run(ignore_loads, 1)
+    try:
+        trainer.step()  # rank 1's engine keeps the weights before this update
+        floor = trainer.certify()
+    finally:
+        trainer.cluster.run(ignore_loads, None)
+    assert not floor.clean and floor.causes == ["stale weights"], str(floor)
+    evidence = floor.report.checks.set_index("check").loc["stale weights", "evidence"]
+    assert evidence.startswith("rank 1: ") and "rank 0" not in evidence, evidence
+    by_rank = floor.report.floor.by_rank.set_index("rank")
+    assert by_rank.loc[0, "within"] and not by_rank.loc[1, "within"], by_rank
+    assert "rank 1: gap" in floor.verdict and "rank 0: gap" not in floor.verdict, floor.verdict
 
 
 @pytest.mark.timeout(300)

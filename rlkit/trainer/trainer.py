@@ -40,7 +40,7 @@ from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tok
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
-from rlkit.trainer.mismatch import CERTIFY_SEED, GapFloor, gap_floor, probe
+from rlkit.trainer.mismatch import GapFloor, certify_rows, gap_floor, probe
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
 from rlkit.workers import CriticWorker, PolicyWorker, RolloutResult
@@ -388,11 +388,12 @@ class Trainer(PolicyTrainerBase):
         return probe(self._policy, self._side_rollout(self._next_seeds()), max_rows, self._decode, self._gap_history())
 
     def certify(self, max_rows: int = 64) -> GapFloor:
-        """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
-        rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
+        """The engine-vs-trainer gap of this model, engine and settings: :meth:`mismatch` on ``max_rows`` rows of
+        fixed-seed rollouts, summarised (mean, p99 and max |delta|, k3) against the floor measured on its rows, with
+        the verdict: "clean" only within the floor's tolerance on every rank (rlkit.diagnostics.floor)."""
         self._check_usable()
-        cfg, ranks = self.config, self.cluster.world_size
-        batch = self._side_rollout([cfg.seed * 1_000_003 + CERTIFY_SEED + r for r in range(ranks)])
+        cfg = self.config
+        batch = certify_rows(self._side_rollout, cfg.seed, self.cluster.world_size, max_rows)
         report = probe(self._policy, batch, max_rows, self._decode, self._gap_history())
         return gap_floor(report, cfg.rollout)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -262,10 +263,24 @@ class PolicyWorker(ActorRole):
 
     def sync_engine(self) -> int:
         """Push the actor's full weights (LoRA: merged, or the adapters alone, as ``rollout.lora_sync`` says) into the
-        rollout engine; returns how many tensors were loaded."""
+        rollout engine; returns how many tensors it loaded. The engine's sync step is stamped only when the engine
+        confirms the load (it reports loading as many tensors as were sent); otherwise a warning, and
+        ``trainer.mismatch()`` names the stale engine."""
+        sent = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for pair in engine_weights(self.actor.model, self.lora, self.config.rollout.lora_sync):
+                sent += 1
+                yield pair
+
         with self.clock.timed("sync"):
-            count = self.engine.load_weights(engine_weights(self.actor.model, self.lora, self.config.rollout.lora_sync))
-        self.engine_synced_at = int(self.actor.scheduler.last_epoch)
+            count = self.engine.load_weights(counted())
+        if count == sent > 0:
+            self.engine_synced_at = int(self.actor.scheduler.last_epoch)
+        else:
+            logger.warning("rank %d: the engine loaded %d of the %d tensors sent; it keeps the weights of optimizer "
+                           "step %d", self.rank, count, sent, self.engine_synced_at)  # fmt: skip
         return count
 
     def mismatch_probe(self, rows: Rows) -> Rescored:
