@@ -38,9 +38,10 @@ def _draws(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     return left, right
 
 
-def differs(trainer: torch.Tensor, engine: torch.Tensor) -> float:
+def differs(trainer: torch.Tensor | list[float], engine: torch.Tensor | list[float]) -> float:
     """The largest projection difference relative to the tensor's scale (0: the same values in the same order;
-    above :data:`TOLERANCE`: they differ). Both [PROJECTIONS + 1] from :func:`fingerprint`."""
+    above :data:`TOLERANCE`: they differ). Both [PROJECTIONS + 1] from :func:`fingerprint` (or its list)."""
+    trainer, engine = torch.as_tensor(trainer, dtype=torch.float64), torch.as_tensor(engine, dtype=torch.float64)
     scale = max(float(trainer[-1]), float(engine[-1]), 1e-30) ** 0.5
     projections = float((trainer[:-1] - engine[:-1]).abs().max()) / scale
     squares = abs(float(trainer[-1]) - float(engine[-1])) / scale**2

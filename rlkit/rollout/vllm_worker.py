@@ -116,7 +116,8 @@ class WorkerExtension:
                 continue
             start = 0
             for part in parts:
-                prints[part] = (name, fingerprint(param.detach()[start : start + shapes[part][0]]))
+                block = param.detach()[start : start + shapes[part][0]]
+                prints[part] = (name, fingerprint(block).tolist())  # plain floats: RPC results are msgpacked
                 start += shapes[part][0]
         return prints, unreadable
 
