@@ -84,6 +84,15 @@ def ignore_loads(rank: int | None) -> None:
         worker.engine.load_weights = lambda weights: sum(1 for _ in weights)
 
 
+def set_engine_generation_config(name: str, value: object) -> None:
+    """On a worker: a setting in the hf engine's model.generation_config (what transformers fills unset settings
+    from; a model directory's generation_config.json lands there)."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    setattr(local_instance(PolicyWorker).engine.model.generation_config, name, value)
+
+
 def resync() -> None:
     from rlkit.runtime import local_instance
     from rlkit.workers import PolicyWorker
@@ -136,6 +145,18 @@ def test_a_repetition_penalty_is_named(trainer):
     assert report.causes == ["sampling: repetition_penalty"], str(report)
     assert "a penalty of 1.3" in report.checks.set_index("check").loc["sampling: repetition_penalty", "evidence"]
     assert report.summary["abs_delta_mean"] > 0.05
+
+
+@pytest.mark.timeout(120)
+def test_a_penalty_from_the_generation_config_the_engine_reads_is_named_from_its_own_settings(trainer):
+    trainer.cluster.run(set_engine_generation_config, "repetition_penalty", 1.3)
+    try:
+        report = trainer.mismatch()
+    finally:
+        trainer.cluster.run(set_engine_generation_config, "repetition_penalty", None)
+    assert report.causes == ["sampling: repetition_penalty"] and not report.clean, str(report)
+    assert report.sampling["repetition_penalty"] == 1.3 and report.sampling["top_k"] == 0, report.sampling
+    assert "the engine's settings show {'repetition_penalty': 1.3}" in str(report)
 
 
 @pytest.mark.timeout(120)

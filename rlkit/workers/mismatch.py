@@ -12,19 +12,16 @@ from typing import Protocol
 
 import torch
 
-from rlkit.config import LoraConfig, RLConfig
+from rlkit.config import LoraConfig, RLConfig, RolloutConfig
 from rlkit.diagnostics.rescore import PROBE_ROWS, Rescored, engine_fingerprints, rescore_rows
 from rlkit.fsdp import param_dtype
 from rlkit.models.fingerprint import differs, fingerprint
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
+from rlkit.rollout.base import LOGIT_SETTINGS, SamplingParams
 from rlkit.workers.batches import Rows
 from rlkit.workers.lora import engine_weights
 from rlkit.workers.training import TrainedModel
-
-LOGIT_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "no_repeat_ngram_size")  # fmt: skip
-"""Sampling settings that change the distribution sampled from (and so the engine's log-probs)."""
 
 
 class Probed(Protocol):
@@ -75,7 +72,7 @@ def probe_mismatch(worker: Probed, rows: Rows) -> Rescored:
         dtypes={"trainer": _name(trainer_dtype), "engine": _name(engine_dtype)},
         optimizer_steps=int(worker.actor.scheduler.last_epoch),
         engine_synced_at=worker.engine_synced_at,
-        sampling=engine_sampling(worker.engine, rollout.temperature, rollout.top_p),
+        sampling=engine_sampling(worker.engine, rollout),
     )
     reference = _compare_weights(worker, result, engine_dtype)
     if reference is not None:
@@ -90,18 +87,20 @@ def probe_mismatch(worker: Probed, rows: Rows) -> Rescored:
     return result
 
 
-def engine_sampling(engine: object, temperature: float, top_p: float) -> dict[str, object]:
-    """The settings the engine samples with: rlkit's own, and the model's or the engine's defaults where they
-    transform the logits (a transformers generation_config, vLLM's default SamplingParams)."""
-    settings: dict[str, object] = {"temperature": temperature, "top_p": top_p}
-    model = getattr(engine, "model", None)
-    defaults = getattr(model, "generation_config", None)
-    if defaults is not None:
-        settings.update({k: v for k, v in defaults.to_diff_dict().items() if k in LOGIT_SETTINGS[2:]})
+def engine_sampling(engine: object, rollout: RolloutConfig) -> dict[str, object]:
+    """The settings the engine samples with for this rollout: the engine's own account where it gives one (the
+    GenerationConfig transformers merges, the SamplingParams vLLM builds), else rlkit's and the model's or the
+    engine's defaults where they transform the logits (a tensor-parallel group member)."""
+    params = SamplingParams(n=1, max_new_tokens=rollout.max_new_tokens, min_new_tokens=rollout.min_new_tokens,
+                            temperature=rollout.temperature, top_p=rollout.top_p, seed=0)  # fmt: skip
+    effective = getattr(engine, "effective_sampling", None)
+    if effective is not None:
+        return effective(params)
+    settings: dict[str, object] = {"temperature": rollout.temperature, "top_p": rollout.top_p}
     llm = getattr(engine, "llm", None)
     if llm is not None:
-        params = llm.get_default_sampling_params()
-        settings.update({k: getattr(params, k) for k in LOGIT_SETTINGS[2:] if hasattr(params, k)})
+        defaults = llm.get_default_sampling_params()
+        settings.update({k: getattr(defaults, k) for k in LOGIT_SETTINGS[2:] if hasattr(defaults, k)})
     return settings
 
 
