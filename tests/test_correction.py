@@ -304,7 +304,7 @@ def test_correction_problems_are_reported_at_once():
     for expected in (
         'rollout_correction.weight="tokens": use one of',
         'rollout_correction.mask="seq"',
-        "rollout_correction.weight_cap=-1.0: must be > 0",
+        "rollout_correction.weight_cap=-1.0: must be >= 1",
         "rollout_correction.weight_floor=3.0",
         "the kept band must contain 1",
         "bypass=True with weight=",
@@ -314,6 +314,20 @@ def test_correction_problems_are_reported_at_once():
     ):
         assert expected in text, expected
     assert len(err.value.problems) == 9
-    # CISPO takes clip_eps >= 1 (no lower clip: TRL's CISPO); the hf engine returns every row's log-probs anyway
+    # CISPO takes clip_eps = 1 (no lower clip: TRL's CISPO); the hf engine returns every row's log-probs anyway
     rlkit.GRPOConfig(policy_loss="cispo", clip_eps=1.0, clip_high=4.0)
     rlkit.GRPOConfig(rollout_correction=rlkit.RolloutCorrectionConfig(weight="token"))
+
+
+def test_settings_that_cannot_be_meant_are_refused():
+    """A cap below 1 shrinks the weight of tokens engine and trainer agree on; CISPO's clip_eps above 1 clips
+    nothing clip_eps = 1 does not (a ratio is > 0)."""
+    import rlkit
+
+    with pytest.raises(rlkit.ConfigError) as err:
+        rlkit.GRPOConfig(policy_loss="cispo", clip_eps=10.0,
+                         rollout_correction=rlkit.RolloutCorrectionConfig(weight="token", weight_cap=0.5))  # fmt: skip
+    assert "rollout_correction.weight_cap=0.5: must be >= 1" in str(err.value)
+    assert 'clip_eps=10.0: must be in (0, 1), e.g. 0.2 (in (0, 1] with policy_loss="cispo"' in str(err.value)
+    assert len(err.value.problems) == 2
+    rlkit.GRPOConfig(rollout_correction=rlkit.RolloutCorrectionConfig(weight="token", weight_cap=1.0))

@@ -34,7 +34,7 @@ class RolloutCorrectionConfig:
     ``rollout_is="sequence"``, TRL "sequence_truncate"); "geometric" (their geometric mean, length-invariant: GSPO's
     object, a filter rather than an unbiased weight)."""
     weight_cap: float | None = 2.0
-    """The weight's upper truncation C, > 0 (verl ``rollout_is_threshold``, default 2; TRL
+    """The weight's upper truncation C, >= 1 (verl ``rollout_is_threshold``, default 2; TRL
     ``vllm_importance_sampling_cap``, default 3; slime ``--tis-clip`` 2; OpenRLHF 5); None: no truncation."""
     weight_floor: float = 0.0
     """The weight's lower truncation, in [0, weight_cap) (slime ``--tis-clip-low``; 0: none, as verl and TRL)."""
@@ -61,7 +61,8 @@ class RolloutCorrectionConfig:
         need(p, self.weight in CORRECTION_LEVELS, f'{prefix}.weight="{self.weight}": use one of {CORRECTION_LEVELS}')
         need(p, self.mask in CORRECTION_LEVELS, f'{prefix}.mask="{self.mask}": use one of {CORRECTION_LEVELS}')
         cap = self.weight_cap
-        need(p, cap is None or cap > 0, f"{prefix}.weight_cap={cap}: must be > 0 (e.g. 2.0), or None for no cap")
+        need(p, cap is None or cap >= 1, f"{prefix}.weight_cap={cap}: must be >= 1 (e.g. 2.0; below 1 it lowers the "
+             "weight of every token the engine and trainer agree on), or None for no cap")  # fmt: skip
         need(
             p,
             0 <= self.weight_floor and (cap is None or self.weight_floor < cap),
