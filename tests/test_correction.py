@@ -150,6 +150,19 @@ def test_mismatch_metrics_hand_values():
     assert step["mismatch/kl_k3"].per_rank and not step["mismatch/ratio/mean"].per_rank
 
 
+def test_k3_and_chi2_clamp_the_log_ratio_like_every_other_exp():
+    """A token 100 nats apart (an engine -inf turned finite, a stale sync) must not make k3 and chi2 inf."""
+    old, rollout, mask = torch.tensor([[100.0, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2)
+    summary = mismatch_summary(old, rollout, mask)
+    delta, checked = engine_log_ratio(old, rollout, mask)
+    step = mismatch_metrics(delta, checked)
+    k3, chi2 = (math.exp(20) - 21) / 2, (math.exp(40) - 1) / 2
+    assert summary["kl_k3"] == pytest.approx(k3) and summary["chi2"] == pytest.approx(chi2)
+    assert float(step["mismatch/kl_k3"].total) / 2 == pytest.approx(k3)
+    assert float(step["mismatch/chi2"].total) / 2 == pytest.approx(chi2)
+    assert summary["kl_k1"] == -50.0 and summary["abs_delta_max"] == 100.0  # the raw gap
+
+
 # -- loop references and the pitfalls ------------------------------------------------------------------------
 
 
