@@ -332,6 +332,50 @@ def test_correction_problems_are_reported_at_once():
     rlkit.GRPOConfig(rollout_correction=rlkit.RolloutCorrectionConfig(weight="token"))
 
 
+def preset_weights(name: str, *deltas: float) -> list[float]:
+    """One sequence's weights under preset ``name`` (every token checked), as the worker builds its Correction."""
+    import dataclasses
+
+    from rlkit.config import RolloutCorrectionConfig
+
+    settings = dataclasses.asdict(RolloutCorrectionConfig.preset(name))
+    return correction_weights(*delta_of(*deltas), Correction(**settings)).weights[0].tolist()
+
+
+@pytest.mark.parametrize(
+    ("name", "deltas", "expected"),
+    [
+        ("verl_token_is", (LN(3), 0.0, LN(0.25)), [2, 1, 0.25]),  # MISMATCH.md: TIS C=2
+        ("slime_tis", (LN(3), 0.0, LN(0.25)), [2, 1, 0.25]),
+        ("openrlhf_tis", (LN(0.25), 0.0, LN(8)), [0.5, 1, 5]),  # TIS [.5, 5]
+        ("verl_sequence_is", (LN(2), LN(2), 0.0), [2, 2, 2]),  # seq prod C=2
+        ("trl_token_truncate", (LN(4), LN(2.5), 0.0), [3, 2.5, 1]),
+        ("trl_sequence_truncate", (LN(2), LN(0.75)), [1.5, 1.5]),
+        ("trl_sequence_mask", (LN(2), LN(2)), [0, 0]),  # seq mask C=3: product 4 rejected
+        ("trl_sequence_mask", (LN(2), LN(0.75)), [1.5, 1.5]),  # kept at its raw value
+        ("trl_token_mask", (LN(2.5), LN(4), 0.0), [2.5, 0, 1]),  # kept weights in (2, 3] stay
+        ("icepop", (LN(4), LN(0.4), LN(6), 0.0), [4, 0, 0, 1]),  # kept weights in (2, 5] stay
+        ("seq_mask_tis", (LN(4), LN(2)), [4, 2]),  # geometric mean 2.83 inside [0.5, 5]: raw token ratios
+        ("seq_mask_tis", (LN(8), LN(8)), [0, 0]),  # geometric mean 8: rejected
+        ("verl_bypass", (LN(3), 0.0), [1, 1]),
+    ],
+)
+def test_each_preset_equals_its_peer(name, deltas, expected):
+    assert preset_weights(name, *deltas) == pytest.approx(expected)
+
+
+def test_presets_are_named_and_take_overrides():
+    import rlkit
+    from rlkit.config import CORRECTION_PRESETS
+
+    for name in CORRECTION_PRESETS:
+        assert rlkit.RolloutCorrectionConfig.preset(name).enabled and not rlkit.RolloutCorrectionConfig.preset(
+            name).problems(), name  # fmt: skip
+    assert rlkit.RolloutCorrectionConfig.preset("trl_sequence_mask", mask_high=2.0).mask_high == 2.0
+    with pytest.raises(ValueError, match='preset "tis": use one of'):
+        rlkit.RolloutCorrectionConfig.preset("tis")
+
+
 def test_settings_that_cannot_be_meant_are_refused():
     """A cap below 1 shrinks the weight of tokens engine and trainer agree on; CISPO's clip_eps above 1 clips
     nothing clip_eps = 1 does not (a ratio is > 0)."""

@@ -213,9 +213,12 @@ class RLConfig:
         )
         p += self._recompute_problems() + self._algorithm_problems()
         cispo = self.policy_loss == "cispo"  # clip_eps = 1 leaves CISPO's weight unbounded below (TRL's CISPO)
-        need(p, 0 < self.clip_eps and (self.clip_eps <= 1 if cispo else self.clip_eps < 1),
-             f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2 (in (0, 1] with policy_loss=\"cispo\", where 1 "
-             "means no lower clip, as verl's clip_ratio_low=10 and TRL's CISPO: a larger value clips nothing more)")  # fmt: skip
+        need(
+            p,
+            0 < self.clip_eps and (self.clip_eps <= 1 if cispo else self.clip_eps < 1),
+            f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2 (in (0, 1] with policy_loss=\"cispo\", where 1 "
+            "means no lower clip, as verl's clip_ratio_low=10 and TRL's CISPO: a larger value clips nothing more)",
+        )
         need(
             p,
             self.clip_high is None or self.clip_high > 0,
