@@ -304,6 +304,16 @@ def test_each_hypothesis_names_only_its_cause(engine, temperature, top_p, named)
     assert report.tokens["repeated"].any()
 
 
+def test_the_fix_offers_the_correction_only_when_it_is_off():
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 0.5)
+    batch.rollout_logprobs = probe.nucleus
+    fixes = {on: mismatch_report(batch, [probe], correction_on=on).checks.set_index("check").loc[
+        "sampling: top_p/top_k", "fix"] for on in (False, True)}  # fmt: skip
+    assert fixes[False].endswith("or turn rollout_correction on"), fixes[False]
+    assert "turn rollout_correction on" not in fixes[True] and "rollout_correction is already on" in fixes[True]
+
+
 def test_engine_settings_name_causes_the_log_probs_cannot_show():
     batch, logits = toy_case()
     probe = rescored(batch, logits, 1.0, 1.0, sampling={"top_k": 20, "repetition_penalty": 1.1, "min_p": 0.0})

@@ -106,14 +106,16 @@ def mismatch_report(
     *,
     decode: Callable[[int], str] | None = None,
     gap_history: Sequence[float] = (),
+    correction_on: bool = False,
 ) -> MismatchReport:
-    """The report of ``batch`` (each rank's rows in order, as ``rescored`` holds them); ``gap_history``: the run's
+    """The report of ``batch`` (each rank's rows in order, as ``rescored`` holds them); ``correction_on``: the run's
+    rollout_correction is on (the fixes then do not offer it); ``gap_history``: the run's
     rollout/logprob_gap/mean per step (evidence of a jump)."""
     trainer = torch.cat([r.trainer for r in rescored])
     tokens = token_table(batch, trainer, decode or str)
     summary = mismatch_summary(trainer, batch.rollout_logprobs, batch.response_mask)
     floor = _floor(batch, rescored, trainer)
-    checks = run_checks(batch, rescored, floor, list(gap_history))
+    checks = run_checks(batch, rescored, floor, list(gap_history), correction_on)
     return MismatchReport(
         tokens=tokens,
         by_position=grouped(tokens, "position"),
@@ -168,21 +170,21 @@ def grouped(tokens: pd.DataFrame, by: str | list[str]) -> pd.DataFrame:
 
 
 def run_checks(
-    batch: Batch, rescored: Sequence[Rescored], floor: Floor, gap_history: list[float]
+    batch: Batch, rescored: Sequence[Rescored], floor: Floor, gap_history: list[float], correction_on: bool = False
 ) -> list[tuple[str, bool, str, str]]:
     """(check, named, evidence, fix) for each check of the module doc."""
     sampling = rescored[0].sampling
+    correct = _correction_hint(correction_on)
     checks = [
         _hypothesis("sampling: temperature", floor, batch, _joined(rescored, "no_temperature"),
                     f"temperature={sampling.get('temperature')}: the trainer at temperature 1 leaves",
                     "the engine's log-probs are taken before the temperature: ask the engine for processed "
                     "log-probs (vLLM logprobs_mode='processed_logprobs', as rlkit's engine does)"),
-        _truncation_check(floor, batch, rescored),
+        _truncation_check(floor, batch, rescored, correct),
         _hypothesis("sampling: min_new_tokens", floor, batch, _joined(rescored, "no_early_eos"),
                     "the trainer with end-of-text suppressed before min_new_tokens leaves",
                     "the engine suppresses end-of-text before rollout.min_new_tokens and its log-probs are "
-                    "renormalised without it, the trainer's are not: set min_new_tokens=0, or turn "
-                    "rollout_correction on"),
+                    f"renormalised without it, the trainer's are not: set min_new_tokens=0{correct}"),
         _penalty_check(floor, batch, rescored),
         _stale_check(rescored, gap_history),
         _tokenisation_check(batch),
@@ -241,7 +243,17 @@ def _static(rescored: Sequence[Rescored], names: tuple[str, ...]) -> dict[str, o
     return {k: v for k, v in rescored[0].sampling.items() if k in names and v not in NEUTRAL[k]}
 
 
-def _truncation_check(floor: Floor, batch: Batch, rescored: Sequence[Rescored]) -> tuple[str, bool, str, str]:
+def _correction_hint(on: bool) -> str:
+    """How a fix ends: offering rollout_correction, or saying what it does not do when it is already on."""
+    if on:
+        return (" (rollout_correction is already on: it reweights these tokens, but a weight cannot bring back what "
+                "the engine never samples)")  # fmt: skip
+    return ", or turn rollout_correction on"
+
+
+def _truncation_check(
+    floor: Floor, batch: Batch, rescored: Sequence[Rescored], correct: str
+) -> tuple[str, bool, str, str]:
     """top_p and top_k renormalise the engine's log-probs (hypotheses: the nucleus, each k of the grid); top_k and
     min_p among the engine's settings truncate its sampling."""
     name = "sampling: top_p/top_k"
@@ -257,7 +269,7 @@ def _truncation_check(floor: Floor, batch: Batch, rescored: Sequence[Rescored]) 
                     f"per token; {evidence}")  # fmt: skip
     fix = (f"the engine samples from a truncated distribution ({best if named else 'top-p, top-k, min-p'}) and the "
            "trainer scores the whole one: set rollout.top_p=1 and remove the others (a model's generation_config, "
-           "a sampler default, a logits processor), or turn rollout_correction on")  # fmt: skip
+           f"a sampler default, a logits processor){correct}")  # fmt: skip
     return name, named or bool(static), evidence, fix
 
 

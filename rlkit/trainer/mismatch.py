@@ -66,10 +66,16 @@ class GapFloor:
 
 
 def probe(
-    policy: RoleGroup, batch: Batch, max_rows: int, decode: Callable[[int], str], gap_history: list[float]
+    policy: RoleGroup,
+    batch: Batch,
+    max_rows: int,
+    decode: Callable[[int], str],
+    gap_history: list[float],
+    correction_on: bool = False,
 ) -> MismatchReport:
     """Each rank re-scores the first ``max_rows / world size`` of its rows of ``batch`` that carry engine log-probs
-    (as many on every rank); the report of those rows. ``gap_history``: the run's rollout/logprob_gap/mean."""
+    (as many on every rank); the report of those rows. ``gap_history``: the run's rollout/logprob_gap/mean;
+    ``correction_on``: the run's rollout_correction is on."""
     ranks = policy.cluster.world_size
     shards = batch.split(ranks)
     with_engine = [torch.ones(len(s), dtype=torch.bool) if s.rollout_logprob_rows is None else s.rollout_logprob_rows
@@ -80,7 +86,8 @@ def probe(
     picked = [s.select(rows.nonzero().squeeze(1)[:per_rank]) for s, rows in zip(shards, with_engine, strict=True)]
     rows = [Rows(input_ids=s.input_ids, attention_mask=s.attention_mask, response_mask=s.response_mask) for s in picked]
     rescored = policy.call(PolicyWorker.mismatch_probe, PerRank(rows))
-    return mismatch_report(Batch.concat(picked), rescored, decode=decode, gap_history=gap_history)
+    return mismatch_report(Batch.concat(picked), rescored, decode=decode, gap_history=gap_history,
+                           correction_on=correction_on)  # fmt: skip
 
 
 def certify_rows(side_rollout: Callable[[list[int]], Batch], seed: int, ranks: int, max_rows: int) -> Batch:

@@ -385,7 +385,8 @@ class Trainer(PolicyTrainerBase):
         rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
         rlkit.diagnostics.mismatch."""
         self._check_usable()
-        return probe(self._policy, self._side_rollout(self._next_seeds()), max_rows, self._decode, self._gap_history())
+        batch, on = self._side_rollout(self._next_seeds()), self.config.rollout_correction.enabled
+        return probe(self._policy, batch, max_rows, self._decode, self._gap_history(), on)
 
     def certify(self, max_rows: int = 64) -> GapFloor:
         """The engine-vs-trainer gap of this model, engine and settings: :meth:`mismatch` on ``max_rows`` rows of
@@ -394,7 +395,7 @@ class Trainer(PolicyTrainerBase):
         self._check_usable()
         cfg = self.config
         batch = certify_rows(self._side_rollout, cfg.seed, self.cluster.world_size, max_rows)
-        report = probe(self._policy, batch, max_rows, self._decode, self._gap_history())
+        report = probe(self._policy, batch, max_rows, self._decode, self._gap_history(), cfg.rollout_correction.enabled)
         return gap_floor(report, cfg.rollout)
 
     def _decode(self, token_id: int) -> str:
