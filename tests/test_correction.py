@@ -376,6 +376,15 @@ def test_presets_are_named_and_take_overrides():
         rlkit.RolloutCorrectionConfig.preset("tis")
 
 
+def test_bypass_allows_skipping_the_old_logprob_forward_with_several_optimizer_steps():
+    import rlkit
+
+    steps = dict(recompute_logprobs=False, ppo_epochs=2, mini_batches=2)
+    rlkit.GRPOConfig(**steps, rollout_correction=rlkit.RolloutCorrectionConfig.preset("verl_bypass"))
+    with pytest.raises(rlkit.ConfigError, match="or rollout_correction.bypass=True"):
+        rlkit.GRPOConfig(**steps)
+
+
 def test_settings_that_cannot_be_meant_are_refused():
     """A cap below 1 shrinks the weight of tokens engine and trainer agree on; CISPO's clip_eps above 1 clips
     nothing clip_eps = 1 does not (a ratio is > 0)."""

@@ -249,6 +249,26 @@ def test_a_corrected_run_on_a_bf16_engine_still_learns(trainer):
     assert 0.5 < weights[0] < 1 < weights[1] < 2, f"the weights were in {weights}: the correction acted on nothing"
 
 
+@pytest.mark.timeout(240)
+def test_bypass_skips_the_old_logprob_forward_with_several_optimizer_steps(trainer):
+    """verl's bypass: the engine is the old policy, so recompute_logprobs=False is allowed with 2 epochs x 2
+    mini-batches; the mask then tests the current policy against the engine (a band that excludes nothing keeps
+    every token), and the first epoch's forwards fill batch.logprobs, each row at its place."""
+    correction = rlkit.RolloutCorrectionConfig.preset("verl_bypass", mask="token", mask_low=0.5, mask_high=2.0)
+    config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=4, group_size=4, mini_batches=2, ppo_epochs=2,
+                              recompute_logprobs=False, rollout=rlkit.RolloutConfig(max_new_tokens=6),
+                              rollout_correction=correction)  # fmt: skip
+    bypass = rlkit.Trainer(trainer.cluster, config)  # the module's trainer is done with: its engines are replaced
+    batch = bypass.advantages(bypass.score(bypass.rollout()))
+    assert batch.old_logprobs is None
+    stats = bypass.update(batch)
+    assert stats["rollout_correction/masked_frac"] == 0, stats
+    gap = torch.where(batch.response_mask > 0, batch.old_logprobs - batch.rollout_logprobs, 0.0).abs()
+    per_rank = len(batch) // 2  # each rank's first mini-batch is scored before any step, the second after one
+    first = torch.cat([gap[r * per_rank : r * per_rank + per_rank // 2] for r in range(2)])
+    assert first.max() < 1e-4 and gap.max() < 0.05, "the first epoch's log-probs landed on other rows than their own"
+
+
 # -- the checks on hand-made re-scorings (no cluster) -----------------------------------------------------------
 
 

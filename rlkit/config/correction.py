@@ -82,7 +82,10 @@ class RolloutCorrectionConfig:
     ``vllm_importance_sampling_clip_max``)."""
     bypass: bool = False
     """verl's ``bypass_mode``: the engine's log-probs are the old policy's in the loss's ratio (no separate trainer
-    scoring enters the loss) and no weight is added (it would count the gap twice); a mask still applies."""
+    scoring enters the loss) and no weight is added (it would count the gap twice); a mask still applies. What it
+    saves is the old-log-prob forward: with ``recompute_logprobs=False`` (any ppo_epochs and mini_batches) the
+    mask and the mismatch metrics take the current policy at each micro-batch against the engine, as verl's bypass
+    rejection does; with ``recompute_logprobs=True`` they take the trainer's pre-update log-probs."""
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> RolloutCorrectionConfig:

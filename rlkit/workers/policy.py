@@ -211,12 +211,15 @@ class PolicyWorker(ActorRole):
         self.clock.start()
         rows = rows.to(self.device)
         sums = MetricSums(self.device)
-        # one optimizer step per batch and no old log-probs from the rollout: the first forward is the old policy
+        # no old log-probs from the rollout: each forward stands for the old policy (one optimizer step per batch; or
+        # bypass mode, where the engine is the old policy and rejection tests the current one, as verl's); the first
+        # epoch's are kept for the batch
         scored = torch.zeros_like(rows.response_mask) if rows.old_logprobs is None else None
+        mini_size = len(rows) // cfg.mini_batches
         skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
         with self.clock.timed("update"):
-            for _ in range(cfg.ppo_epochs):
-                for mini in mini_batches(rows, cfg.mini_batches):
+            for epoch in range(cfg.ppo_epochs):
+                for m, mini in enumerate(mini_batches(rows, cfg.mini_batches)):
                     # 1. the loss normalisers: the whole mini-batch's token and sequence counts over all ranks
                     num_tokens, num_seqs = global_counts(mini.response_mask)
                     actor.optimizer.zero_grad(set_to_none=True)
@@ -226,8 +229,10 @@ class PolicyWorker(ActorRole):
                         for index, micro in steps:
                             # 2. the current policy's log-probs of the sampled tokens (and the entropy)
                             new_logprobs, entropy = self._new_logprobs(micro)
-                            if scored is not None:  # the only mini-batch is all the rows: index places them
-                                old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
+                            if scored is not None:
+                                old_logprobs = new_logprobs.detach()
+                                if epoch == 0:  # index places the micro-batch's rows in its mini-batch
+                                    scored[m * mini_size + index.to(self.device)] = old_logprobs
                             else:
                                 old_logprobs = micro.filled("old_logprobs")
                             # 3. the objective (rlkit.algos), with the engine-vs-trainer gap and its correction
