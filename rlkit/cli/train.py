@@ -27,7 +27,7 @@ import pandas as pd
 
 from rlkit import diagnostics
 from rlkit.cli.folder import WORKER_LOGS, RunFolder, log_to_file, prepare
-from rlkit.cli.lines import StepLines, preference_lines, progress, rl_lines
+from rlkit.cli.lines import StepLines, loss_phrase, preference_lines, progress, rl_lines
 from rlkit.cli.outcome import Outcome, failure_message
 from rlkit.config import ConfigError, GRPOConfig, PreferenceConfig, RLConfig, config_from_toml
 from rlkit.data import load_run_data
@@ -165,7 +165,8 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
             print(f"warning: {findings}", file=sys.stderr, flush=True)
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])
     return Run(config, data.summary(), partial(Trainer, config=config), partial(_resume, Trainer, config),
-               rl_lines(terms), "reward/mean", "mean reward")  # fmt: skip
+               rl_lines(terms, mismatch=config.rollout.engine == "hf" or config.rollout.engine_logprobs > 0,
+                        correction=config.rollout_correction.enabled), "reward/mean", "mean reward")  # fmt: skip
 
 
 def _checked_preferences(args: argparse.Namespace, config: PreferenceConfig, world_size: int) -> Run:
@@ -217,7 +218,7 @@ def _print_start(args: argparse.Namespace, run: Run, folder: RunFolder, world_si
     launcher = "torchrun" if torchrun.launched() else "local"
     print(
         f"rlkit train: {config.algorithm.upper()} on model={config.model!r}, {world_size} worker(s) ({launcher}), "
-        f"{config.steps} steps; output in {folder.path}",
+        f"{config.steps} steps{loss_phrase(config)}; output in {folder.path}",
         flush=True,
     )
     if folder.checkpoint is not None:

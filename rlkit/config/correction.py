@@ -93,6 +93,16 @@ class RolloutCorrectionConfig:
         ``preset("trl_sequence_mask", mask_high=2.0)`` is TRL's ``vllm_importance_sampling_clip_max=2.0``."""
         return cls(**{**_preset_settings(name), **overrides})  # type: ignore[arg-type]
 
+    def summary(self) -> str:
+        """One phrase: "off", or what the correction does (e.g. "weight=token [0, 2], mask=token [0.5, 2]")."""
+        if not self.enabled:
+            return "off"
+        cap = "inf" if self.weight_cap is None else f"{self.weight_cap:g}"
+        parts = ["bypass"] if self.bypass else []
+        parts += [f"weight={self.weight} [{self.weight_floor:g}, {cap}]"] if self.weight != "none" else []
+        parts += [f"mask={self.mask} [{self.mask_low:g}, {self.mask_high:g}]"] if self.mask != "none" else []
+        return ", ".join(parts)
+
     @property
     def enabled(self) -> bool:
         """Whether the correction changes the loss."""
