@@ -382,8 +382,8 @@ class Trainer(PolicyTrainerBase):
         """Why the rollout engine and the trainer disagree, now: a rollout of the next prompts with the next step's
         seeds (nothing trains; the prompt stream stays where it is), whose first ``max_rows`` rows each rank
         re-scores. Per token the engine's and the trainer's log-probs and their ratio, grouped by position, token id,
-        rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
-        rlkit.diagnostics.mismatch."""
+        rank and turn, the gap against a floor measured on the same rows, and checks that name causes (sampling
+        settings, stale weights): see rlkit.diagnostics.mismatch."""
         self._check_usable()
         batch, on = self._side_rollout(self._next_seeds()), self.config.rollout_correction.enabled
         return probe(self._policy, batch, max_rows, self._decode, self._gap_history(), on)

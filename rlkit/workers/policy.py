@@ -211,9 +211,7 @@ class PolicyWorker(ActorRole):
         self.clock.start()
         rows = rows.to(self.device)
         sums = MetricSums(self.device)
-        # no old log-probs from the rollout: each forward stands for the old policy (one optimizer step per batch; or
-        # bypass mode, where the engine is the old policy and rejection tests the current one, as verl's); the first
-        # epoch's are kept for the batch
+        # no old log-probs from the rollout (recompute_logprobs=False): see _old_logprobs
         scored = torch.zeros_like(rows.response_mask) if rows.old_logprobs is None else None
         mini_size = len(rows) // cfg.mini_batches
         skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
@@ -229,12 +227,8 @@ class PolicyWorker(ActorRole):
                         for index, micro in steps:
                             # 2. the current policy's log-probs of the sampled tokens (and the entropy)
                             new_logprobs, entropy = self._new_logprobs(micro)
-                            if scored is not None:
-                                old_logprobs = new_logprobs.detach()
-                                if epoch == 0:  # index places the micro-batch's rows in its mini-batch
-                                    scored[m * mini_size + index.to(self.device)] = old_logprobs
-                            else:
-                                old_logprobs = micro.filled("old_logprobs")
+                            place = m * mini_size + index.to(self.device) if epoch == 0 else None
+                            old_logprobs = _old_logprobs(micro, new_logprobs, scored, place)
                             # 3. the objective (rlkit.algos), with the engine-vs-trainer gap and its correction
                             weights = loss_weights(
                                 micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -347,6 +341,20 @@ class PolicyWorker(ActorRole):
         """Stop the rollout engine (and any processes it owns)."""
         super().close()
         self.engine.close()
+
+
+def _old_logprobs(
+    micro: PolicyRows, new_logprobs: torch.Tensor, scored: torch.Tensor | None, place: torch.Tensor | None
+) -> torch.Tensor:
+    """The ratio's old log-probs of ``micro`` [b, T]: the rollout's; or, none recomputed, this forward's, detached
+    (one optimizer step per batch: the old policy itself; bypass mode: the engine is the old policy and the mask
+    tests the current one, as verl's), kept in ``scored`` [n, T] at the rows ``place`` (the first epoch's)."""
+    if scored is None:
+        return micro.filled("old_logprobs")
+    old = new_logprobs.detach()
+    if place is not None:
+        scored[place] = old
+    return old
 
 
 def _trajectory_fields(gen: Generation) -> dict:
