@@ -165,8 +165,15 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
             print(f"warning: {findings}", file=sys.stderr, flush=True)
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])
     return Run(config, data.summary(), partial(Trainer, config=config), partial(_resume, Trainer, config),
-               rl_lines(terms, mismatch=config.rollout.engine == "hf" or config.rollout.engine_logprobs > 0,
-                        correction=config.rollout_correction.enabled), "reward/mean", "mean reward")  # fmt: skip
+               rl_lines(terms, mismatch=_gap_shown(config), correction=config.rollout_correction.enabled),
+               "reward/mean", "mean reward")  # fmt: skip
+
+
+def _gap_shown(config: RLConfig) -> bool:
+    """The step line's gap column: with a correction, or a vLLM engine returning log-probs (the hf engine runs the
+    trainer's own model class in its process: its gap is rarely news, and the line stays under 100 characters)."""
+    engine_logprobs = config.rollout.engine == "vllm" and config.rollout.engine_logprobs > 0
+    return config.rollout_correction.enabled or engine_logprobs
 
 
 def _checked_preferences(args: argparse.Namespace, config: PreferenceConfig, world_size: int) -> Run:
