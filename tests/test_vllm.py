@@ -209,6 +209,7 @@ def test_mismatch_names_a_repetition_penalty_and_a_skipped_sync(cluster, trainer
     finally:
         cluster.run(plant_repetition_penalty, None)
     assert penalised.causes == ["sampling: repetition_penalty"], str(penalised)
+    assert penalised.sampling["repetition_penalty"] == 1.3, penalised.sampling  # the SamplingParams vLLM builds
     cluster.run(skip_syncs, True)
     try:
         update_with_random_advantages(trainer)
