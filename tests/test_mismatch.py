@@ -212,7 +212,6 @@ def test_an_unreported_top_k_is_named(trainer, dtype, k):
     assert f"renormalised as top_k={k} " in floor.report.checks.set_index("check").loc["sampling: top_p/top_k",
                                                                                       "evidence"], str(floor)
     assert not floor.report.floor.within, str(floor.report.floor)  # the bias (bf16) or the gap (fp32) beyond it
-    print(floor.report.floor)
 
 
 @pytest.mark.timeout(180)
