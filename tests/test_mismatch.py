@@ -4,6 +4,7 @@ weight's rows reversed, an unreported top-k in fp32 and bf16, a rank whose engin
 clean runs (fp32 and bf16 engines) clean against the floor measured on the same rows; then the checks alone on
 hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -355,3 +356,54 @@ def test_a_multi_turn_report_groups_by_model_turn_and_names_template_drift():
     assert clean.causes == [], str(clean)
     batch.trajectories[0].drift = "turn 1: '<|im_end|>' re-rendered as '\\n'"
     assert mismatch_report(batch, [probe]).causes == ["tokenisation"]
+
+
+def test_a_gap_no_check_explains_is_unexplained_with_its_factor_and_the_rank():
+    """Two ranks' rows against a reference 1e-3 from the trainer: rank 1's engine is off by a further 0.05 nats one
+    way on every token, which no hypothesis reproduces."""
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 1.0)
+    noise = torch.tensor([[1e-3, -1e-3, 1e-3, -1e-3]])
+    probe.reference, probe.reference_kind = probe.trainer + noise, "a hand-made reference"
+    other = dataclasses.replace(probe, rank=1)
+    two = Batch.concat([batch, batch])
+    two.rollout_logprobs = torch.cat([probe.reference, other.reference + 0.05])
+    report = mismatch_report(two, [probe, other])
+    assert report.causes == [] and not report.clean, str(report)
+    assert report.verdict.startswith("unexplained: 25.5 x the floor"), report.verdict  # 0.0255 on a floor of 1e-3
+    assert "ruled out: sampling: temperature, sampling: top_p/top_k" in report.verdict
+    assert "rank 1: gap 0.05 = 50x its floor 0.001" in report.verdict and "rank 0: gap" not in report.verdict
+    by_rank = report.floor.by_rank.set_index("rank")
+    assert by_rank.loc[0, "within"] and by_rank.loc[0, "bias"] == pytest.approx(0, abs=1e-7)
+    assert by_rank.loc[1, "bias"] == pytest.approx(-0.05, abs=1e-6)
+
+
+def test_floor_figures_by_hand():
+    """Row sums over checked tokens; the excess's tolerance from the floor's spread, the bias's from its own."""
+    from rlkit.diagnostics.floor import FLOAT_NOISE, measure_floor
+
+    trainer = torch.zeros(2, 2)
+    reference = torch.tensor([[0.1, 0.1], [0.3, 0.0]])  # floor rows: sums 0.2 and 0.3 over 2 and 1 tokens
+    engine = torch.tensor([[0.2, 0.0], [0.3, 9.0]])
+    checked = torch.tensor([[True, True], [True, False]])
+    floor = measure_floor(trainer, engine, reference, checked, torch.tensor([0, 0]), "by hand")
+    assert (floor.tokens, floor.gap, floor.floor) == (3, pytest.approx(0.5 / 3), pytest.approx(0.5 / 3))
+    assert floor.bias == pytest.approx(0.0)  # (0.1 - 0.2) + (0.1 - 0) + (0.3 - 0.3)
+    # the floor's residuals per row: 0.2 - (0.5/3)*2 and 0.3 - 0.5/3; ratio estimator's SE with 2 rows
+    residuals = torch.tensor([0.2 - 1 / 3, 0.3 - 0.5 / 3], dtype=torch.float64)
+    se = math.sqrt(float(residuals.square().sum()) * 2) / 3
+    assert floor.tolerance == pytest.approx(3 * math.sqrt(2) * se + FLOAT_NOISE)
+    assert floor.within and floor.factor == pytest.approx(1.0)
+
+
+def test_fingerprints_see_order_and_not_summation_noise():
+    from rlkit.models.fingerprint import TOLERANCE, differs, fingerprint
+
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    same = fingerprint(weight)
+    assert differs(same, fingerprint(weight.clone())) == 0.0
+    assert differs(same, fingerprint(weight.double().float())) < TOLERANCE
+    for moved in (weight.flip(0), weight.roll(1, dims=1), torch.cat([weight[32:], weight[:32]])):
+        assert moved.sum() == pytest.approx(float(weight.sum()), abs=1e-3) and differs(same, fingerprint(moved)) > 0.01
+    assert differs(same, fingerprint(weight.to(torch.bfloat16))) > TOLERANCE  # a cast the trainer did not make
+    assert differs(fingerprint(weight.to(torch.bfloat16)), fingerprint(weight.to(torch.bfloat16).clone())) == 0.0
