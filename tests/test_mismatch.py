@@ -136,6 +136,34 @@ def test_clean_run_measures_every_step_and_names_no_cause(trainer):
     assert floor.verdict.startswith("clean") and floor.floor > 0, str(floor)
 
 
+def probe_and_score(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> list[bool]:
+    """On a worker: whether the probe's trainer log-probs of this rank's 4 rows are bit for bit the padding-free
+    forward's (the update's) and the padded one's."""
+    from rlkit.models.logprobs import response_logprobs
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+    from rlkit.workers.batches import Rows
+
+    worker = local_instance(PolicyWorker)
+    mine = slice(4 * worker.rank, 4 * worker.rank + 4)
+    rows = Rows(input_ids=input_ids[mine], attention_mask=attention_mask[mine], response_mask=response_mask[mine])
+    probed = worker.mismatch_probe(rows).trainer
+    width, temperature = response_mask.shape[1], worker.config.rollout.temperature
+    with torch.no_grad():
+        return [torch.equal(probed, response_logprobs(worker.actor.model, rows.input_ids, rows.attention_mask,
+                                                      response_width=width, temperature=temperature,
+                                                      padding_free=packed)[0]) for packed in (True, False)]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_the_probe_scores_through_the_update_s_padding_free_forward(trainer):
+    batch = trainer._side_rollout(trainer._next_seeds())  # as mismatch() draws it: the prompt stream stays put
+    rows = torch.cat([torch.arange(4), len(batch) // 2 + torch.arange(4)])
+    picked = batch.select(rows)
+    same = trainer.cluster.run(probe_and_score, picked.input_ids, picked.attention_mask, picked.response_mask)
+    assert same == [[True, False], [True, False]], same
+
+
 @pytest.mark.timeout(120)
 def test_a_repetition_penalty_is_named(trainer):
     trainer.cluster.run(plant_repetition_penalty, 1.3)
