@@ -60,8 +60,10 @@ class Floor:
 
     @property
     def within(self) -> bool:
-        """The gap is within the tolerance of the floor and unbiased, on every rank and over all of them."""
-        overall = self.gap - self.floor <= self.tolerance and abs(self.bias) <= self.bias_tolerance
+        """The gap is within the tolerance of the floor and unbiased, on every rank and over all of them (no checked
+        token at all: not within, nothing was measured)."""
+        names = ("tokens", "gap", "floor", "tolerance", "bias", "bias_tolerance")
+        overall = self.tokens > 0 and _within({name: getattr(self, name) for name in names})
         return overall and bool(self.by_rank["within"].all())
 
     @property
@@ -97,10 +99,16 @@ def measure_floor(
     per_rank = []
     for r in sorted(set(rank.tolist())):
         figures = _compare({name: values[rank == r] for name, values in sums.items()})
-        within = figures["gap"] - figures["floor"] <= figures["tolerance"] and abs(figures["bias"]) <= figures[
-            "bias_tolerance"]  # fmt: skip
-        per_rank.append({"rank": r, "rows": int((rank == r).sum()), **figures, "within": within})
+        per_rank.append({"rank": r, "rows": int((rank == r).sum()), **figures, "within": _within(figures)})
     return Floor(**overall, reference=kind, by_rank=pd.DataFrame(per_rank))
+
+
+def _within(figures: dict) -> bool:
+    """Both excesses within their tolerances (a rank without checked tokens: nothing to hold against the floor)."""
+    if figures["tokens"] == 0:
+        return True
+    excess_within = figures["gap"] - figures["floor"] <= figures["tolerance"]
+    return excess_within and abs(figures["bias"]) <= figures["bias_tolerance"]
 
 
 def _row_sums(values: torch.Tensor, checked: torch.Tensor) -> torch.Tensor:
