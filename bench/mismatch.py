@@ -10,8 +10,9 @@ trainer and one engine. After a warm-up step, the steps alternate (ABBA) between
 with ICEPOP's token band [0.5, 2], the engine's log-probs on every row). Prints per mode the medians and spreads
 (bench/stats.py) of generate, update and step seconds, the mismatch metrics (k1, k3, |delta| mean and max, the raw
 ratio's range) and the correction's (weight mean, min, max; shares truncated and masked); the paired ratio of
-generate seconds on / off (the cost of all-row engine log-probs); and ``trainer.certify()`` (the gap floor of this
-model, engine and dtype, with any cause named). ``--json`` writes them (bench/results.py's record).
+generate seconds on / off (the cost of all-row engine log-probs); and ``trainer.certify()`` (the gap of this model,
+engine and dtype against the floor measured on its rows, with the verdict and the floor per rank). ``--json``
+writes them (bench/results.py's record).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> None:
     figures["generate_all_rows_over_default"] = paired_ratio(*generate)
     figures["floor"] = floor.to_pandas().iloc[0].to_dict()
     figures["floor_checks"] = floor.report.checks.to_dict("records")
+    figures["floor_by_rank"] = floor.report.floor.by_rank.to_dict("records")
     report(figures, args, floor)
     write_result(args.json, args.label, figures, args)
 

@@ -299,3 +299,23 @@ def test_problems_are_named_before_launch(tmp_path, monkeypatch):
     assert f'rewards[0].function="nowhere.py:f": no file nowhere.py ({looked})' in err
     assert "prompts_per_step=16 does not divide across 64 ranks" in err
     assert not (tmp_path / "outputs").exists(), "a run that did not start leaves no folder"
+
+
+def test_the_start_line_names_the_loss_and_the_step_line_the_gap_and_the_correction():
+    """No run needed: the phrases and the columns from a config (the module's runs print them)."""
+    import rlkit
+    from rlkit.cli.lines import loss_phrase, rl_lines
+
+    plain = rlkit.GRPOConfig()
+    corrected = rlkit.GRPOConfig(policy_loss="cispo", clip_eps=1.0, clip_high=4.0,
+                                 rollout_correction=rlkit.RolloutCorrectionConfig.preset("icepop"))  # fmt: skip
+    assert loss_phrase(plain) == ", policy_loss=ppo_clip, rollout_correction off"
+    icepop = "weight=token [0, inf], mask=token [0.5, 5]"
+    assert loss_phrase(corrected) == f", policy_loss=cispo, rollout_correction {icepop}"
+    assert loss_phrase(rlkit.DPOConfig()) == ""
+    assert rl_lines(["r"]).header().split()[-3:] == ["update", "mem/rank", "MiB"]
+    lines = rl_lines(["r"], mismatch=True, correction=True)
+    assert lines.header().split()[-6:] == ["gap", "w", "max", "masked", "mem/rank", "MiB"]
+    row = {"step": 1, "reward/mean": 0.5, "mismatch/abs_delta/mean": 4.3e-3, "rollout_correction/weight/max": 1.04,
+           "rollout_correction/masked_frac": 0.0}  # fmt: skip
+    assert lines.line(row).split()[-4:] == ["4e-03", "1.04", "0.000", "-"]

@@ -150,6 +150,19 @@ def test_mismatch_metrics_hand_values():
     assert step["mismatch/kl_k3"].per_rank and not step["mismatch/ratio/mean"].per_rank
 
 
+def test_k3_and_chi2_clamp_the_log_ratio_like_every_other_exp():
+    """A token 100 nats apart (an engine -inf turned finite, a stale sync) must not make k3 and chi2 inf."""
+    old, rollout, mask = torch.tensor([[100.0, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2)
+    summary = mismatch_summary(old, rollout, mask)
+    delta, checked = engine_log_ratio(old, rollout, mask)
+    step = mismatch_metrics(delta, checked)
+    k3, chi2 = (math.exp(20) - 21) / 2, (math.exp(40) - 1) / 2
+    assert summary["kl_k3"] == pytest.approx(k3) and summary["chi2"] == pytest.approx(chi2)
+    assert float(step["mismatch/kl_k3"].total) / 2 == pytest.approx(k3)
+    assert float(step["mismatch/chi2"].total) / 2 == pytest.approx(chi2)
+    assert summary["kl_k1"] == -50.0 and summary["abs_delta_max"] == 100.0  # the raw gap
+
+
 # -- loop references and the pitfalls ------------------------------------------------------------------------
 
 
@@ -304,7 +317,7 @@ def test_correction_problems_are_reported_at_once():
     for expected in (
         'rollout_correction.weight="tokens": use one of',
         'rollout_correction.mask="seq"',
-        "rollout_correction.weight_cap=-1.0: must be > 0",
+        "rollout_correction.weight_cap=-1.0: must be >= 1",
         "rollout_correction.weight_floor=3.0",
         "the kept band must contain 1",
         "bypass=True with weight=",
@@ -314,6 +327,73 @@ def test_correction_problems_are_reported_at_once():
     ):
         assert expected in text, expected
     assert len(err.value.problems) == 9
-    # CISPO takes clip_eps >= 1 (no lower clip: TRL's CISPO); the hf engine returns every row's log-probs anyway
+    # CISPO takes clip_eps = 1 (no lower clip: TRL's CISPO); the hf engine returns every row's log-probs anyway
     rlkit.GRPOConfig(policy_loss="cispo", clip_eps=1.0, clip_high=4.0)
     rlkit.GRPOConfig(rollout_correction=rlkit.RolloutCorrectionConfig(weight="token"))
+
+
+def preset_weights(name: str, *deltas: float) -> list[float]:
+    """One sequence's weights under preset ``name`` (every token checked), as the worker builds its Correction."""
+    import dataclasses
+
+    from rlkit.config import RolloutCorrectionConfig
+
+    settings = dataclasses.asdict(RolloutCorrectionConfig.preset(name))
+    return correction_weights(*delta_of(*deltas), Correction(**settings)).weights[0].tolist()
+
+
+@pytest.mark.parametrize(
+    ("name", "deltas", "expected"),
+    [
+        ("verl_token_is", (LN(3), 0.0, LN(0.25)), [2, 1, 0.25]),  # MISMATCH.md: TIS C=2
+        ("slime_tis", (LN(3), 0.0, LN(0.25)), [2, 1, 0.25]),
+        ("openrlhf_tis", (LN(0.25), 0.0, LN(8)), [0.5, 1, 5]),  # TIS [.5, 5]
+        ("verl_sequence_is", (LN(2), LN(2), 0.0), [2, 2, 2]),  # seq prod C=2
+        ("trl_token_truncate", (LN(4), LN(2.5), 0.0), [3, 2.5, 1]),
+        ("trl_sequence_truncate", (LN(2), LN(0.75)), [1.5, 1.5]),
+        ("trl_sequence_mask", (LN(2), LN(2)), [0, 0]),  # seq mask C=3: product 4 rejected
+        ("trl_sequence_mask", (LN(2), LN(0.75)), [1.5, 1.5]),  # kept at its raw value
+        ("trl_token_mask", (LN(2.5), LN(4), 0.0), [2.5, 0, 1]),  # kept weights in (2, 3] stay
+        ("icepop", (LN(4), LN(0.4), LN(6), 0.0), [4, 0, 0, 1]),  # kept weights in (2, 5] stay
+        ("seq_mask_tis", (LN(4), LN(2)), [4, 2]),  # geometric mean 2.83 inside [0.5, 5]: raw token ratios
+        ("seq_mask_tis", (LN(8), LN(8)), [0, 0]),  # geometric mean 8: rejected
+        ("verl_bypass", (LN(3), 0.0), [1, 1]),
+    ],
+)
+def test_each_preset_equals_its_peer(name, deltas, expected):
+    assert preset_weights(name, *deltas) == pytest.approx(expected)
+
+
+def test_presets_are_named_and_take_overrides():
+    import rlkit
+    from rlkit.config import CORRECTION_PRESETS
+
+    for name in CORRECTION_PRESETS:
+        assert rlkit.RolloutCorrectionConfig.preset(name).enabled and not rlkit.RolloutCorrectionConfig.preset(
+            name).problems(), name  # fmt: skip
+    assert rlkit.RolloutCorrectionConfig.preset("trl_sequence_mask", mask_high=2.0).mask_high == 2.0
+    with pytest.raises(ValueError, match='preset "tis": use one of'):
+        rlkit.RolloutCorrectionConfig.preset("tis")
+
+
+def test_bypass_allows_skipping_the_old_logprob_forward_with_several_optimizer_steps():
+    import rlkit
+
+    steps = dict(recompute_logprobs=False, ppo_epochs=2, mini_batches=2)
+    rlkit.GRPOConfig(**steps, rollout_correction=rlkit.RolloutCorrectionConfig.preset("verl_bypass"))
+    with pytest.raises(rlkit.ConfigError, match="or rollout_correction.bypass=True"):
+        rlkit.GRPOConfig(**steps)
+
+
+def test_settings_that_cannot_be_meant_are_refused():
+    """A cap below 1 shrinks the weight of tokens engine and trainer agree on; CISPO's clip_eps above 1 clips
+    nothing clip_eps = 1 does not (a ratio is > 0)."""
+    import rlkit
+
+    with pytest.raises(rlkit.ConfigError) as err:
+        rlkit.GRPOConfig(policy_loss="cispo", clip_eps=10.0,
+                         rollout_correction=rlkit.RolloutCorrectionConfig(weight="token", weight_cap=0.5))  # fmt: skip
+    assert "rollout_correction.weight_cap=0.5: must be >= 1" in str(err.value)
+    assert 'clip_eps=10.0: must be in (0, 1), e.g. 0.2 (in (0, 1] with policy_loss="cispo"' in str(err.value)
+    assert len(err.value.problems) == 2
+    rlkit.GRPOConfig(rollout_correction=rlkit.RolloutCorrectionConfig(weight="token", weight_cap=1.0))

@@ -1,7 +1,10 @@
 """Training-inference mismatch on 2 gloo workers with the hf engine and the tiny model: the metrics every step, and
-trainer.mismatch() naming each planted cause (a repetition penalty, a skipped weight sync, a bf16 engine) and none
-on a clean run; then the checks alone on hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
+trainer.mismatch()/certify() naming each planted cause (a repetition penalty, a skipped weight sync, an engine
+weight's rows reversed, an unreported top-k in fp32 and bf16, a rank whose engine ignores its loads) and calling
+clean runs (fp32 and bf16 engines) clean against the floor measured on the same rows; then the checks alone on
+hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -14,7 +17,7 @@ from rlkit.diagnostics.rescore import PENALTY_GRID, Rescored, nucleus_logits, pe
 from tests.test_vllm import skip_syncs
 
 CAUSES = {"sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens",
-          "sampling: repetition_penalty", "stale weights", "dtype floor", "tokenisation"}  # fmt: skip
+          "sampling: repetition_penalty", "stale weights", "tokenisation"}  # fmt: skip
 
 
 def plant_repetition_penalty(penalty: float | None) -> None:
@@ -36,6 +39,66 @@ def plant_repetition_penalty(penalty: float | None) -> None:
         return generate(model, *args, logits_processor=processors, **kwargs)
 
     model.generate = penalised
+
+
+def plant_top_k(k: int | None) -> None:
+    """On a worker: the hf engine samples (and reports log-probs) from the top ``k`` tokens only, through a logits
+    processor rlkit did not set (None: remove it)."""
+    from transformers import TopKLogitsWarper
+
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    model = local_instance(PolicyWorker).engine.model
+    if k is None:
+        vars(model).pop("generate", None)
+        return
+    generate = type(model).generate
+
+    def truncated(*args, logits_processor=None, **kwargs):
+        return generate(model, *args, logits_processor=[TopKLogitsWarper(k), *(logits_processor or [])], **kwargs)
+
+    model.generate = truncated
+
+
+def reverse_rows(name: str) -> None:
+    """On a worker: the rows of the engine's tensor ``name`` in reverse order (its sum and sum of squares kept), as a
+    sync that stacks or copies in the wrong order leaves them."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    param = local_instance(PolicyWorker).engine.model.get_parameter(name)
+    param.data = param.data.flip(0)
+
+
+def ignore_loads(rank: int | None) -> None:
+    """On a worker: rank ``rank``'s engine takes every weight a sync sends and keeps none, reporting them loaded
+    (None: restore every engine and sync)."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    worker = local_instance(PolicyWorker)
+    if rank is None:
+        vars(worker.engine).pop("load_weights", None)
+        worker.sync_engine()
+    elif worker.rank == rank:
+        worker.engine.load_weights = lambda weights: sum(1 for _ in weights)
+
+
+def set_engine_generation_config(name: str, value: object) -> None:
+    """On a worker: a setting in the hf engine's model.generation_config (what transformers fills unset settings
+    from; a model directory's generation_config.json lands there)."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    setattr(local_instance(PolicyWorker).engine.model.generation_config, name, value)
+
+
+def resync() -> None:
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    local_instance(PolicyWorker).sync_engine()
 
 
 def engine_in(dtype_name: str) -> None:
@@ -70,6 +133,35 @@ def test_clean_run_measures_every_step_and_names_no_cause(trainer):
     assert {"position", "token_id", "token", "engine_logprob", "trainer_logprob", "ratio", "turn"} <= set(report.tokens)
     floor = trainer.certify()
     assert floor.clean and floor.abs_delta_mean < 1e-4 and floor.tokens > 0, str(floor)
+    assert floor.verdict.startswith("clean") and floor.floor > 0, str(floor)
+
+
+def probe_and_score(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> list[bool]:
+    """On a worker: whether the probe's trainer log-probs of this rank's 4 rows are bit for bit the padding-free
+    forward's (the update's) and the padded one's."""
+    from rlkit.models.logprobs import response_logprobs
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+    from rlkit.workers.batches import Rows
+
+    worker = local_instance(PolicyWorker)
+    mine = slice(4 * worker.rank, 4 * worker.rank + 4)
+    rows = Rows(input_ids=input_ids[mine], attention_mask=attention_mask[mine], response_mask=response_mask[mine])
+    probed = worker.mismatch_probe(rows).trainer
+    width, temperature = response_mask.shape[1], worker.config.rollout.temperature
+    with torch.no_grad():
+        return [torch.equal(probed, response_logprobs(worker.actor.model, rows.input_ids, rows.attention_mask,
+                                                      response_width=width, temperature=temperature,
+                                                      padding_free=packed)[0]) for packed in (True, False)]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_the_probe_scores_through_the_update_s_padding_free_forward(trainer):
+    batch = trainer._side_rollout(trainer._next_seeds())  # as mismatch() draws it: the prompt stream stays put
+    rows = torch.cat([torch.arange(4), len(batch) // 2 + torch.arange(4)])
+    picked = batch.select(rows)
+    same = trainer.cluster.run(probe_and_score, picked.input_ids, picked.attention_mask, picked.response_mask)
+    assert same == [[True, False], [True, False]], same
 
 
 @pytest.mark.timeout(120)
@@ -85,6 +177,18 @@ def test_a_repetition_penalty_is_named(trainer):
 
 
 @pytest.mark.timeout(120)
+def test_a_penalty_from_the_generation_config_the_engine_reads_is_named_from_its_own_settings(trainer):
+    trainer.cluster.run(set_engine_generation_config, "repetition_penalty", 1.3)
+    try:
+        report = trainer.mismatch()
+    finally:
+        trainer.cluster.run(set_engine_generation_config, "repetition_penalty", None)
+    assert report.causes == ["sampling: repetition_penalty"] and not report.clean, str(report)
+    assert report.sampling["repetition_penalty"] == 1.3 and report.sampling["top_k"] == 0, report.sampling
+    assert "the engine's settings show {'repetition_penalty': 1.3}" in str(report)
+
+
+@pytest.mark.timeout(120)
 def test_a_skipped_sync_is_named(trainer):
     trainer.cluster.run(skip_syncs, True)
     try:
@@ -94,21 +198,65 @@ def test_a_skipped_sync_is_named(trainer):
         trainer.cluster.run(skip_syncs, False)
     assert report.causes == ["stale weights"], str(report)
     evidence = report.checks.set_index("check").loc["stale weights", "evidence"]
-    assert "0 differ" not in evidence and "the engine holds optimizer step" in evidence
+    assert "fingerprints differ" in evidence and "the engine last confirmed the weights of optimizer step" in evidence
     assert trainer.mismatch().causes == []  # synced again
 
 
 @pytest.mark.timeout(120)
-def test_a_bf16_engine_is_named_as_a_dtype_floor(trainer):
+def test_a_bf16_engine_is_clean_against_its_bf16_floor(trainer):
     trainer.cluster.run(engine_in, "bfloat16")
     try:
-        report = trainer.mismatch()
         floor = trainer.certify()
     finally:
         trainer.cluster.run(engine_in, "float32")
-    assert report.causes == ["dtype floor"], str(report)
-    assert report.dtypes == {"trainer": "float32", "engine": "bfloat16"}
-    assert floor.causes == ["dtype floor"] and 1e-3 < floor.abs_delta_mean < 3e-2, str(floor)
+    assert floor.clean and floor.verdict.startswith("clean"), str(floor)
+    assert floor.dtypes == {"trainer": "float32", "engine": "bfloat16"}
+    assert 1e-3 < floor.floor < 3e-2 and abs(floor.abs_delta_mean - floor.floor) <= floor.tolerance, str(floor)
+    assert "bfloat16 copy of the engine's model" in floor.verdict
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_weight_with_its_rows_reversed_is_named(trainer):
+    trainer.cluster.run(reverse_rows, "model.layers.0.mlp.down_proj.weight")  # after the last sync
+    try:
+        floor = trainer.certify()
+    finally:
+        trainer.cluster.run(resync)
+    assert not floor.clean and floor.causes == ["stale weights"], str(floor)
+    evidence = floor.report.checks.set_index("check").loc["stale weights", "evidence"]
+    assert "rank 0: 1 of" in evidence and "rank 1: 1 of" in evidence and "mlp.down_proj" in evidence, evidence
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("dtype", "k"), [("float32", 8), ("bfloat16", 8), ("bfloat16", 4)])
+def test_an_unreported_top_k_is_named(trainer, dtype, k):
+    trainer.cluster.run(engine_in, dtype)
+    trainer.cluster.run(plant_top_k, k)
+    try:
+        floor = trainer.certify(max_rows=128)  # ~400 tokens: a top-k of 8 shifts bf16 log-probs by ~5 standard errors
+    finally:
+        trainer.cluster.run(plant_top_k, None)
+        trainer.cluster.run(engine_in, "float32")
+    assert not floor.clean and floor.causes == ["sampling: top_p/top_k"], str(floor)
+    assert f"renormalised as top_k={k} " in floor.report.checks.set_index("check").loc["sampling: top_p/top_k",
+                                                                                      "evidence"], str(floor)
+    assert not floor.report.floor.within, str(floor.report.floor)  # the bias (bf16) or the gap (fp32) beyond it
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_whose_engine_ignores_its_loads_is_named_with_its_figures(trainer):
+    trainer.cluster.run(ignore_loads, 1)
+    try:
+        trainer.step()  # rank 1's engine keeps the weights before this update
+        floor = trainer.certify()
+    finally:
+        trainer.cluster.run(ignore_loads, None)
+    assert not floor.clean and floor.causes == ["stale weights"], str(floor)
+    evidence = floor.report.checks.set_index("check").loc["stale weights", "evidence"]
+    assert evidence.startswith("rank 1: ") and "rank 0" not in evidence, evidence
+    by_rank = floor.report.floor.by_rank.set_index("rank")
+    assert by_rank.loc[0, "within"] and not by_rank.loc[1, "within"], by_rank
+    assert "rank 1: gap" in floor.verdict and "rank 0: gap" not in floor.verdict, floor.verdict
 
 
 @pytest.mark.timeout(300)
@@ -127,6 +275,26 @@ def test_a_corrected_run_on_a_bf16_engine_still_learns(trainer):
     assert last > first + 0.2, f"mean reward went {first:.3f} -> {last:.3f}"
     weights = history["rollout_correction/weight/min"].min(), history["rollout_correction/weight/max"].max()
     assert 0.5 < weights[0] < 1 < weights[1] < 2, f"the weights were in {weights}: the correction acted on nothing"
+
+
+@pytest.mark.timeout(240)
+def test_bypass_skips_the_old_logprob_forward_with_several_optimizer_steps(trainer):
+    """verl's bypass: the engine is the old policy, so recompute_logprobs=False is allowed with 2 epochs x 2
+    mini-batches; the mask then tests the current policy against the engine (a band that excludes nothing keeps
+    every token), and the first epoch's forwards fill batch.logprobs, each row at its place."""
+    correction = rlkit.RolloutCorrectionConfig.preset("verl_bypass", mask="token", mask_low=0.5, mask_high=2.0)
+    config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=4, group_size=4, mini_batches=2, ppo_epochs=2,
+                              recompute_logprobs=False, rollout=rlkit.RolloutConfig(max_new_tokens=6),
+                              rollout_correction=correction)  # fmt: skip
+    bypass = rlkit.Trainer(trainer.cluster, config)  # the module's trainer is done with: its engines are replaced
+    batch = bypass.advantages(bypass.score(bypass.rollout()))
+    assert batch.old_logprobs is None
+    stats = bypass.update(batch)
+    assert stats["rollout_correction/masked_frac"] == 0, stats
+    gap = torch.where(batch.response_mask > 0, batch.old_logprobs - batch.rollout_logprobs, 0.0).abs()
+    per_rank = len(batch) // 2  # each rank's first mini-batch is scored before any step, the second after one
+    first = torch.cat([gap[r * per_rank : r * per_rank + per_rank // 2] for r in range(2)])
+    assert first.max() < 1e-4 and gap.max() < 0.05, "the first epoch's log-probs landed on other rows than their own"
 
 
 # -- the checks on hand-made re-scorings (no cluster) -----------------------------------------------------------
@@ -184,6 +352,16 @@ def test_each_hypothesis_names_only_its_cause(engine, temperature, top_p, named)
     assert report.tokens["repeated"].any()
 
 
+def test_the_fix_offers_the_correction_only_when_it_is_off():
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 0.5)
+    batch.rollout_logprobs = probe.nucleus
+    fixes = {on: mismatch_report(batch, [probe], correction_on=on).checks.set_index("check").loc[
+        "sampling: top_p/top_k", "fix"] for on in (False, True)}  # fmt: skip
+    assert fixes[False].endswith("or turn rollout_correction on"), fixes[False]
+    assert "turn rollout_correction on" not in fixes[True] and "rollout_correction is already on" in fixes[True]
+
+
 def test_engine_settings_name_causes_the_log_probs_cannot_show():
     batch, logits = toy_case()
     probe = rescored(batch, logits, 1.0, 1.0, sampling={"top_k": 20, "repetition_penalty": 1.1, "min_p": 0.0})
@@ -206,3 +384,54 @@ def test_a_multi_turn_report_groups_by_model_turn_and_names_template_drift():
     assert clean.causes == [], str(clean)
     batch.trajectories[0].drift = "turn 1: '<|im_end|>' re-rendered as '\\n'"
     assert mismatch_report(batch, [probe]).causes == ["tokenisation"]
+
+
+def test_a_gap_no_check_explains_is_unexplained_with_its_factor_and_the_rank():
+    """Two ranks' rows against a reference 1e-3 from the trainer: rank 1's engine is off by a further 0.05 nats one
+    way on every token, which no hypothesis reproduces."""
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 1.0)
+    noise = torch.tensor([[1e-3, -1e-3, 1e-3, -1e-3]])
+    probe.reference, probe.reference_kind = probe.trainer + noise, "a hand-made reference"
+    other = dataclasses.replace(probe, rank=1)
+    two = Batch.concat([batch, batch])
+    two.rollout_logprobs = torch.cat([probe.reference, other.reference + 0.05])
+    report = mismatch_report(two, [probe, other])
+    assert report.causes == [] and not report.clean, str(report)
+    assert report.verdict.startswith("unexplained: 25.5 x the floor"), report.verdict  # 0.0255 on a floor of 1e-3
+    assert "ruled out: sampling: temperature, sampling: top_p/top_k" in report.verdict
+    assert "rank 1: gap 0.05 = 50x its floor 0.001" in report.verdict and "rank 0: gap" not in report.verdict
+    by_rank = report.floor.by_rank.set_index("rank")
+    assert by_rank.loc[0, "within"] and by_rank.loc[0, "bias"] == pytest.approx(0, abs=1e-7)
+    assert by_rank.loc[1, "bias"] == pytest.approx(-0.05, abs=1e-6)
+
+
+def test_floor_figures_by_hand():
+    """Row sums over checked tokens; the excess's tolerance from the floor's spread, the bias's from its own."""
+    from rlkit.diagnostics.floor import FLOAT_NOISE, measure_floor
+
+    trainer = torch.zeros(2, 2)
+    reference = torch.tensor([[0.1, 0.1], [0.3, 0.0]])  # floor rows: sums 0.2 and 0.3 over 2 and 1 tokens
+    engine = torch.tensor([[0.2, 0.0], [0.3, 9.0]])
+    checked = torch.tensor([[True, True], [True, False]])
+    floor = measure_floor(trainer, engine, reference, checked, torch.tensor([0, 0]), "by hand")
+    assert (floor.tokens, floor.gap, floor.floor) == (3, pytest.approx(0.5 / 3), pytest.approx(0.5 / 3))
+    assert floor.bias == pytest.approx(0.0)  # (0.1 - 0.2) + (0.1 - 0) + (0.3 - 0.3)
+    # the floor's residuals per row: 0.2 - (0.5/3)*2 and 0.3 - 0.5/3; ratio estimator's SE with 2 rows
+    residuals = torch.tensor([0.2 - 1 / 3, 0.3 - 0.5 / 3], dtype=torch.float64)
+    se = math.sqrt(float(residuals.square().sum()) * 2) / 3
+    assert floor.tolerance == pytest.approx(3 * math.sqrt(2) * se + FLOAT_NOISE)
+    assert floor.within and floor.factor == pytest.approx(1.0)
+
+
+def test_fingerprints_see_order_and_not_summation_noise():
+    from rlkit.models.fingerprint import TOLERANCE, differs, fingerprint
+
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    same = fingerprint(weight)
+    assert differs(same, fingerprint(weight.clone())) == 0.0
+    assert differs(same, fingerprint(weight.double().float())) < TOLERANCE
+    for moved in (weight.flip(0), weight.roll(1, dims=1), torch.cat([weight[32:], weight[:32]])):
+        assert moved.sum() == pytest.approx(float(weight.sum()), abs=1e-3) and differs(same, fingerprint(moved)) > 0.01
+    assert differs(same, fingerprint(weight.to(torch.bfloat16))) > TOLERANCE  # a cast the trainer did not make
+    assert differs(fingerprint(weight.to(torch.bfloat16)), fingerprint(weight.to(torch.bfloat16).clone())) == 0.0

@@ -21,7 +21,10 @@ reaches the loss.
 The same modes in the peers (rlkit = verl = TRL ``loss_type``):
 
 - token-mean = verl "token-mean" = TRL "dapo" (global token count; TRL "bnpo" uses the local one).
-- seq-mean-token-mean = verl "seq-mean-token-mean" = TRL "grpo".
+- seq-mean-token-mean = verl "seq-mean-token-mean" = TRL "grpo" while every row has a response token. With
+  empty rows (all of a response masked: truncation masking, a multi-turn row without model tokens) they differ:
+  rlkit averages the per-sequence means over the sequences with at least one token, TRL's "grpo" over all rows
+  (an empty row adds 0 and still counts), so TRL's loss is rlkit's times (non-empty rows / rows).
 - seq-mean-token-sum = verl "seq-mean-token-sum" (TRL: none).
 - seq-mean-token-sum-norm = TRL "dr_grpo" (sum / (B * max_completion_length)). verl's
   "seq-mean-token-sum-norm" divides each micro-batch's sum by the horizon without dividing by the

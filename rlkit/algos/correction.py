@@ -148,14 +148,16 @@ def mismatch_metrics(delta: torch.Tensor, checked: torch.Tensor, *, log_ratio_cl
     """The engine-vs-trainer gap per checked token ([B, T] each), as step metrics (see the README's table):
     mismatch/kl_k1 (mean l_e - l_o, the k1 estimate of KL(engine || trainer), can be < 0), mismatch/kl_k3
     (mean rho - 1 - delta, >= 0), mismatch/chi2 (mean rho^2 - 1), mismatch/abs_delta/{mean,max} and the raw
-    ratio mismatch/ratio/{mean,max,min}; k3 and |delta| also per rank."""
+    ratio mismatch/ratio/{mean,max,min}; k3 and |delta| also per rank. delta is clamped to +-``log_ratio_clamp``
+    before every exp (k3, chi2, the ratio); k1 and |delta| are the raw gap."""
     delta = delta.double()  # k3 and chi2 of gaps near 1e-6 cancel to noise in fp32
-    ratio = torch.exp(delta.clamp(-log_ratio_clamp, log_ratio_clamp))
+    clamped = delta.clamp(-log_ratio_clamp, log_ratio_clamp)  # what enters exp: k3, chi2 and the ratio
+    ratio = torch.exp(clamped)
     gap = delta.abs()
     return {
         "mismatch/kl_k1": token_mean(-delta, checked),
-        "mismatch/kl_k3": token_mean(torch.expm1(delta) - delta, checked, per_rank=True),
-        "mismatch/chi2": token_mean(torch.expm1(2 * delta), checked),
+        "mismatch/kl_k3": token_mean(torch.expm1(clamped) - clamped, checked, per_rank=True),
+        "mismatch/chi2": token_mean(torch.expm1(2 * clamped), checked),
         "mismatch/abs_delta/mean": token_mean(gap, checked, per_rank=True),
         "mismatch/abs_delta/max": token_max(gap, checked, per_rank=True),
         "mismatch/ratio/mean": token_mean(ratio, checked),
@@ -189,13 +191,14 @@ def mismatch_summary(
     d = delta[checked].double()
     if d.numel() == 0:
         return {"tokens": 0.0}
-    ratio = torch.exp(d.clamp(-20.0, 20.0))
+    clamped = d.clamp(-20.0, 20.0)  # what enters exp (k1 and |delta| stay raw)
+    ratio = torch.exp(clamped)
     return {
         "tokens": float(d.numel()),
         "kl_k1": float(-d.mean()),
-        "kl_k3": float((torch.expm1(d) - d).mean()),
-        "chi2": float(torch.expm1(2 * d).mean()),
-        "mult_prob_error": float(d.abs().exp().mean()),
+        "kl_k3": float((torch.expm1(clamped) - clamped).mean()),
+        "chi2": float(torch.expm1(2 * clamped).mean()),
+        "mult_prob_error": float(clamped.abs().exp().mean()),
         "abs_delta_mean": float(d.abs().mean()),
         "abs_delta_max": float(d.abs().max()),
         "ratio_mean": float(ratio.mean()),

@@ -2,10 +2,11 @@
 
 An RL line holds the mean reward and each reward term's mean, the KL to the reference ("-" when it is not
 measured: kl_coef = 0), the mean response length, a multi-turn run's turns, tool use, failed calls and
-environment errors, tokens/s, the step's seconds with its rollout and update shares, and each rank's memory;
-a DPO/KTO line the preference accuracy, margins, loss, gradient norm, tokens/s, seconds and memory. The
-validation reward (DPO/KTO: loss and accuracy) follows on the steps that have it. Everything else is in
-history.csv.
+environment errors, tokens/s, the step's seconds with its rollout and update shares, the engine-vs-trainer gap
+when the engine returns log-probs, the largest correction weight and the share masked when rollout_correction is
+on, and each rank's memory; a DPO/KTO line the preference accuracy, margins, loss, gradient norm, tokens/s,
+seconds and memory. The validation reward (DPO/KTO: loss and accuracy) follows on the steps that have it.
+Everything else is in history.csv.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+
+from rlkit.config import PreferenceConfig, RLConfig
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,17 @@ AGENT_COLUMNS = (
 calls that failed, and the trajectories whose environment failed."""
 
 
-def rl_lines(terms: Sequence[str], agent: bool = False) -> StepLines:
+def rl_lines(
+    terms: Sequence[str], *, agent: bool = False, mismatch: bool = False, correction: bool = False
+) -> StepLines:
     """The RL table; ``terms``: the reward terms' names (each gets its column when there are several); ``agent``:
-    a multi-turn run (its columns follow the length's)."""
+    a multi-turn run (its columns follow the length's); ``mismatch``: the engine returns log-probs (the gap's
+    column, mean |trainer - engine| nats per token); ``correction``: rollout_correction is on (the largest weight
+    and the share of tokens masked)."""
     named = [Column(_short(t), f"reward/{t}/mean", ".3f", max(6, len(_short(t)))) for t in terms if len(terms) > 1]
+    gap = [Column("gap", "mismatch/abs_delta/mean", ".0e", 5)] if mismatch else []
+    weights = [Column("w max", "rollout_correction/weight/max", ".2f", 5),
+               Column("masked", "rollout_correction/masked_frac", ".3f", 6)] if correction else []  # fmt: skip
     return StepLines(
         columns=[
             Column("step", "step", "d", 4),
@@ -81,9 +91,19 @@ def rl_lines(terms: Sequence[str], agent: bool = False) -> StepLines:
             Column("s/step", "time/step", ".1f", 6),
             Column("gen", "time/rollout", ".1f", 5),
             Column("update", "time/update", ".1f", 6),
+            *gap,
+            *weights,
         ],
         validation=[("reward", "val/reward/mean")],
     )
+
+
+def loss_phrase(config: RLConfig | PreferenceConfig) -> str:
+    """The start line's words on the loss: ", policy_loss=..., rollout_correction ..." for GRPO/PPO (nothing for
+    DPO/KTO, whose algorithm names the loss)."""
+    if not isinstance(config, RLConfig):
+        return ""
+    return f", policy_loss={config.policy_loss}, rollout_correction {config.rollout_correction.summary()}"
 
 
 def preference_lines() -> StepLines:

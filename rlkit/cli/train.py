@@ -27,7 +27,7 @@ import pandas as pd
 
 from rlkit import diagnostics
 from rlkit.cli.folder import WORKER_LOGS, RunFolder, log_to_file, prepare
-from rlkit.cli.lines import StepLines, preference_lines, progress, rl_lines
+from rlkit.cli.lines import StepLines, loss_phrase, preference_lines, progress, rl_lines
 from rlkit.cli.outcome import Outcome, failure_message
 from rlkit.config import ConfigError, GRPOConfig, PreferenceConfig, RLConfig, config_from_toml
 from rlkit.data import load_run_data
@@ -171,8 +171,17 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])
     terms += [ENVIRONMENT_TERM] if data.agent is not None and data.agent.environment is not None else []
     summary = "\n".join(line for line in (data.summary(), describe_lora(config)) if line)
-    return Run(config, summary, partial(Trainer, config=config), partial(_resume, Trainer, config),
-               rl_lines(terms, agent=data.agent is not None), "reward/mean", "mean reward")  # fmt: skip
+    lines = rl_lines(terms, agent=data.agent is not None, mismatch=_gap_shown(config),
+                     correction=config.rollout_correction.enabled)  # fmt: skip
+    return Run(config, summary, partial(Trainer, config=config), partial(_resume, Trainer, config), lines,
+               "reward/mean", "mean reward")
+
+
+def _gap_shown(config: RLConfig) -> bool:
+    """The step line's gap column: with a correction, or a vLLM engine returning log-probs (the hf engine runs the
+    trainer's own model class in its process: its gap is rarely news, and the line stays under 100 characters)."""
+    engine_logprobs = config.rollout.engine == "vllm" and config.rollout.engine_logprobs > 0
+    return config.rollout_correction.enabled or engine_logprobs
 
 
 def _checked_preferences(args: argparse.Namespace, config: PreferenceConfig, world_size: int) -> Run:
@@ -224,7 +233,7 @@ def _print_start(args: argparse.Namespace, run: Run, folder: RunFolder, world_si
     launcher = "torchrun" if torchrun.launched() else "local"
     print(
         f"rlkit train: {config.algorithm.upper()} on model={config.model!r}, {world_size} worker(s) ({launcher}), "
-        f"{config.steps} steps; output in {folder.path}",
+        f"{config.steps} steps{loss_phrase(config)}; output in {folder.path}",
         flush=True,
     )
     if folder.checkpoint is not None:

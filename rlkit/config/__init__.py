@@ -13,7 +13,7 @@ checkpoint settings.
 from rlkit.config.agent import AgentConfig, ToolSpec
 from rlkit.config.algorithms import GRPOConfig, PPOConfig
 from rlkit.config.checks import ConfigError
-from rlkit.config.correction import RolloutCorrectionConfig
+from rlkit.config.correction import CORRECTION_PRESETS, RolloutCorrectionConfig
 from rlkit.config.data import (
     DataConfig,
     PreferenceDataConfig,
@@ -61,6 +61,7 @@ __all__ = [
     "RewardModelConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
+    "CORRECTION_PRESETS",
     "SHARDING",
     "ToolSpec",
     "ValidationConfig",

@@ -67,7 +67,9 @@ class RLConfig:
     """Score each rollout with the actor before the update (a forward pass over every sample) for the
     PPO ratio's old log-probs, ``batch.logprobs`` and the rollout log-prob gap. With one optimizer step
     per batch (ppo_epochs = mini_batches = 1) the update's own forward yields the same numbers, so
-    False skips the pass and ``trainer.update`` fills ``batch.logprobs`` (and the gap) from it."""
+    False skips the pass and ``trainer.update`` fills ``batch.logprobs`` (and the gap) from it. In bypass mode
+    (``rollout_correction.bypass``) the engine's log-probs are the old policy, so False is allowed with any
+    ppo_epochs and mini_batches (the first epoch's forwards fill ``batch.logprobs``): the pass bypass saves."""
     advantage: str = "grpo"
     """Advantage estimator (rlkit.algos.ADVANTAGE_ESTIMATORS): "grpo", "drgrpo" (no std scaling),
     "rloo", "reinforce++-baseline" (group mean, then batch whitening), "reinforce++" or "gae" (needs a
@@ -213,9 +215,13 @@ class RLConfig:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens (or 0 to count sequences)",
         )
         p += self._recompute_problems() + self._algorithm_problems()
-        cispo = self.policy_loss == "cispo"  # clip_eps >= 1 leaves CISPO's weight unbounded below (TRL's CISPO)
-        need(p, 0 < self.clip_eps and (cispo or self.clip_eps < 1), f"clip_eps={self.clip_eps}: must be in (0, 1), "
-             'e.g. 0.2 (> 0 with policy_loss="cispo", where >= 1 means no lower clip)')  # fmt: skip
+        cispo = self.policy_loss == "cispo"  # clip_eps = 1 leaves CISPO's weight unbounded below (TRL's CISPO)
+        need(
+            p,
+            0 < self.clip_eps and (self.clip_eps <= 1 if cispo else self.clip_eps < 1),
+            f"clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2 (in (0, 1] with policy_loss=\"cispo\", where 1 "
+            "means no lower clip, as verl's clip_ratio_low=10 and TRL's CISPO: a larger value clips nothing more)",
+        )
         need(
             p,
             self.clip_high is None or self.clip_high > 0,
@@ -253,10 +259,10 @@ class RLConfig:
             return p
         need(
             p,
-            self.ppo_epochs == 1 and self.mini_batches == 1,
+            self.ppo_epochs == 1 and self.mini_batches == 1 or self.rollout_correction.bypass,
             f"recompute_logprobs=False with ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}: "
-            "later optimizer steps need the log-probs from before the first; "
-            "set both to 1 or recompute_logprobs=True",
+            "later optimizer steps need the log-probs from before the first; set both to 1, "
+            "recompute_logprobs=True, or rollout_correction.bypass=True (the engine's log-probs are the old policy)",
         )
         need(
             p,

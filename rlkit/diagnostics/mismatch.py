@@ -1,21 +1,25 @@
-"""Why the rollout engine and the trainer disagree: per-token gaps, grouped, and checks that name causes (plain data).
+"""Why the rollout engine and the trainer disagree: per-token gaps, grouped, a floor, and checks that name causes.
 
 :func:`mismatch_report` joins a rollout (a :class:`~rlkit.data.batch.Batch` nothing has trained on yet) with each
-rank's :class:`~rlkit.diagnostics.rescore.Rescored` and returns a :class:`MismatchReport`. Each check compares
-the observed gap, mean |delta| over the tokens with an engine log-prob (delta = trainer - engine), against what a
-hypothesis leaves of it:
+rank's :class:`~rlkit.diagnostics.rescore.Rescored` and returns a :class:`MismatchReport`. The gap, mean |delta| over
+the tokens with an engine log-prob (delta = trainer - engine, the trainer scoring through the update's forward), is
+held against a floor measured on the same rows (:mod:`rlkit.diagnostics.floor`), per rank and over all of them. The
+checks:
 
 - "sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens", "sampling: repetition_penalty":
   the trainer's logits transformed as the engine would (see rlkit.diagnostics.rescore) reproduce the engine's
-  log-probs: named when that removes at least half of a gap above :data:`NOISE`, or when the engine's own settings
-  show a top-k, min-p or penalty (which can change the samples without showing in its log-probs);
-- "stale weights": a float64 sum and sum of squares of each engine tensor differs from the trainer's (cast to the
-  engine's dtype), or the engine last received an older optimizer step's weights than the actor holds;
-- "dtype floor": the engine computes in a lower precision than the trainer, and the gap is within 3x the trainer's
-  own floor (its log-probs under autocast to the engine's dtype against its own); the hf engine's weights
-  re-scored in fp32 show how much of it is the weights' rounding and how much the lower-precision kernels;
+  log-probs: named when the gap is beyond the floor's tolerance and the hypothesis removes at least 90% of its
+  excess over the floor, or when the engine's own settings show a top-k, min-p or penalty (which can change the
+  samples without showing in its log-probs);
+- "stale weights": on any rank, an engine tensor's fingerprint (rlkit.models.fingerprint: random projections that
+  see order) differs from the trainer's (cast to the engine's dtype), or the engine last confirmed an older
+  optimizer step's weights than the actor holds;
 - "tokenisation": multi-turn rollouts whose re-rendered conversation drifted from the engine's ids (single-turn
   rollouts: never named, the trainer scores the engine's ids).
+
+The verdict: "clean" only when no check names a cause and the gap is within the floor's tolerance on every rank;
+"unexplained: N x the floor" when it is not and no check names a cause (with what was ruled out and the ranks
+beyond their floors); otherwise the causes named.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ import torch
 
 from rlkit.algos.correction import engine_log_ratio, mismatch_summary
 from rlkit.data.batch import Batch
+from rlkit.diagnostics.floor import Floor, measure_floor
 from rlkit.diagnostics.rescore import Rescored
+from rlkit.models.fingerprint import TOLERANCE as FINGERPRINT_TOLERANCE
 
-NOISE = 1e-3
-"""Mean |delta| (nats per token) below which no cause is named: engine and trainer in fp32 agree to ~1e-6."""
-EXPLAINED = 0.5
-"""A hypothesis is named when it leaves at most this share of the gap."""
-SUM_TOLERANCE = 1e-7
-"""Relative difference of a tensor's sums beyond summation order (same values cast the same way agree to ~1e-15)."""
+EXPLAINED = 0.1
+"""A hypothesis is named when it leaves at most this share of the gap's excess over the floor (or none beyond the
+floor's tolerance): a grid of top-k values or penalties removes part of any gap (stale weights too), so only a
+hypothesis that removes nearly all of it is a cause."""
 
 
 @dataclass
@@ -56,6 +60,8 @@ class MismatchReport:
     """rlkit.algos.mismatch_summary of the tokens (k1, k3, chi2, |delta| mean and max, ratio stats, ESS)."""
     checks: pd.DataFrame
     """One row per check: check, named (bool), evidence, fix."""
+    floor: Floor
+    """The gap against the floor measured on the same rows, over all ranks and per rank."""
     dtypes: dict[str, str]
     """The trainer's compute dtype and the engine's weight dtype."""
     sampling: dict[str, object]
@@ -66,11 +72,28 @@ class MismatchReport:
         """The checks that named a cause."""
         return self.checks.loc[self.checks["named"], "check"].tolist()
 
+    @property
+    def clean(self) -> bool:
+        """No cause named and the gap within the floor's tolerance on every rank."""
+        return not self.causes and self.floor.within
+
+    @property
+    def verdict(self) -> str:
+        """"clean: ...", "causes named: ..." or "unexplained: N x the floor; ruled out: ..."."""
+        ranks = "; ".join(self.floor.outliers)
+        if self.causes:
+            return "causes named: " + ", ".join(self.causes) + (f" ({ranks})" if ranks else "")
+        if self.floor.within:
+            return f"clean: the gap is within the tolerance of the floor ({self.floor})"
+        ruled_out = ", ".join(self.checks.loc[~self.checks["named"], "check"])
+        return (f"unexplained: {self.floor.factor:.3g} x the floor ({self.floor}); ruled out: {ruled_out}"
+                + (f"; beyond their floors: {ranks}" if ranks else ""))  # fmt: skip
+
     def __str__(self) -> str:
         s = self.summary
         head = (f"{int(s.get('tokens', 0))} tokens: mean |delta| {s.get('abs_delta_mean', math.nan):.3g}, "
                 f"max {s.get('abs_delta_max', math.nan):.3g}, k3 {s.get('kl_k3', math.nan):.3g}")  # fmt: skip
-        lines = [head, "causes: " + (", ".join(self.causes) or "none named")]
+        lines = [head, self.verdict]
         for row in self.checks.itertuples():
             fix = f" -> {row.fix}" if row.named else ""
             lines.append(f"  [{'x' if row.named else ' '}] {row.check}: {row.evidence}{fix}")
@@ -83,13 +106,16 @@ def mismatch_report(
     *,
     decode: Callable[[int], str] | None = None,
     gap_history: Sequence[float] = (),
+    correction_on: bool = False,
 ) -> MismatchReport:
-    """The report of ``batch`` (each rank's rows in order, as ``rescored`` holds them); ``gap_history``: the run's
+    """The report of ``batch`` (each rank's rows in order, as ``rescored`` holds them); ``correction_on``: the run's
+    rollout_correction is on (the fixes then do not offer it); ``gap_history``: the run's
     rollout/logprob_gap/mean per step (evidence of a jump)."""
     trainer = torch.cat([r.trainer for r in rescored])
     tokens = token_table(batch, trainer, decode or str)
     summary = mismatch_summary(trainer, batch.rollout_logprobs, batch.response_mask)
-    checks = run_checks(batch, rescored, trainer, list(gap_history))
+    floor = _floor(batch, rescored, trainer)
+    checks = run_checks(batch, rescored, floor, list(gap_history), correction_on)
     return MismatchReport(
         tokens=tokens,
         by_position=grouped(tokens, "position"),
@@ -98,6 +124,7 @@ def mismatch_report(
         by_turn=grouped(tokens, "turn"),
         summary=summary,
         checks=pd.DataFrame(checks, columns=["check", "named", "evidence", "fix"]),
+        floor=floor,
         dtypes=rescored[0].dtypes,
         sampling=rescored[0].sampling,
     )
@@ -143,28 +170,36 @@ def grouped(tokens: pd.DataFrame, by: str | list[str]) -> pd.DataFrame:
 
 
 def run_checks(
-    batch: Batch, rescored: Sequence[Rescored], trainer: torch.Tensor, gap_history: list[float]
+    batch: Batch, rescored: Sequence[Rescored], floor: Floor, gap_history: list[float], correction_on: bool = False
 ) -> list[tuple[str, bool, str, str]]:
     """(check, named, evidence, fix) for each check of the module doc."""
-    gap = _gap(trainer, batch)
     sampling = rescored[0].sampling
+    correct = _correction_hint(correction_on)
     checks = [
-        _hypothesis("sampling: temperature", gap, batch, _joined(rescored, "no_temperature"),
+        _hypothesis("sampling: temperature", floor, batch, _joined(rescored, "no_temperature"),
                     f"temperature={sampling.get('temperature')}: the trainer at temperature 1 leaves",
                     "the engine's log-probs are taken before the temperature: ask the engine for processed "
                     "log-probs (vLLM logprobs_mode='processed_logprobs', as rlkit's engine does)"),
-        _truncation_check(gap, batch, rescored),
-        _hypothesis("sampling: min_new_tokens", gap, batch, _joined(rescored, "no_early_eos"),
+        _truncation_check(floor, batch, rescored, correct),
+        _hypothesis("sampling: min_new_tokens", floor, batch, _joined(rescored, "no_early_eos"),
                     "the trainer with end-of-text suppressed before min_new_tokens leaves",
                     "the engine suppresses end-of-text before rollout.min_new_tokens and its log-probs are "
-                    "renormalised without it, the trainer's are not: set min_new_tokens=0, or turn "
-                    "rollout_correction on"),
-        _penalty_check(gap, batch, rescored),
+                    f"renormalised without it, the trainer's are not: set min_new_tokens=0{correct}"),
+        _penalty_check(floor, batch, rescored),
         _stale_check(rescored, gap_history),
-        _dtype_check(gap, batch, rescored),
         _tokenisation_check(batch),
     ]  # fmt: skip
     return checks
+
+
+def _floor(batch: Batch, rescored: Sequence[Rescored], trainer: torch.Tensor) -> Floor:
+    """The gap against the floor (no reference: a floor of 0, as for hand-made re-scorings)."""
+    reference = _joined(rescored, "reference")
+    kind = rescored[0].reference_kind if reference is not None else "none (a floor of 0)"
+    _, checked = engine_log_ratio(trainer, batch.rollout_logprobs, batch.response_mask)
+    rank = torch.cat([torch.full((len(r.trainer),), r.rank) for r in rescored])
+    return measure_floor(trainer, batch.rollout_logprobs, trainer if reference is None else reference, checked,
+                         rank, kind)  # fmt: skip
 
 
 def _tokenisation_check(batch: Batch) -> tuple[str, bool, str, str]:
@@ -181,15 +216,21 @@ def _tokenisation_check(batch: Batch) -> tuple[str, bool, str, str]:
 
 
 def _hypothesis(
-    name: str, gap: float, batch: Batch, scores: torch.Tensor | None, evidence: str, fix: str
+    name: str, floor: Floor, batch: Batch, scores: torch.Tensor | None, evidence: str, fix: str
 ) -> tuple[str, bool, str, str]:
     if scores is None:
         return name, False, "not applicable to these settings", ""
-    if gap <= NOISE:
-        return name, False, f"the gap ({gap:.2g} nats per token) is within the noise ({NOISE:g})", ""
+    if floor.within:
+        return name, False, f"the gap ({floor.gap:.2g} nats per token) is within the floor's tolerance", ""
     left = _gap(scores, batch)
-    named = gap > NOISE and left <= EXPLAINED * gap
-    return name, named, f"{evidence} {left:.3g} of a gap of {gap:.3g} nats per token", fix
+    return name, _explains(left, floor), f"{evidence} {left:.3g} of a gap of {floor.gap:.3g} nats per token", fix
+
+
+def _explains(left: float, floor: Floor) -> bool:
+    """A hypothesis that leaves ``left`` brings a gap beyond the floor back within its tolerance, or removes at least
+    EXPLAINED of its excess over the floor."""
+    excess = left - floor.floor
+    return not floor.within and (excess <= floor.tolerance or excess <= EXPLAINED * (floor.gap - floor.floor))
 
 
 NEUTRAL = {"top_k": (0, -1, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
@@ -202,21 +243,37 @@ def _static(rescored: Sequence[Rescored], names: tuple[str, ...]) -> dict[str, o
     return {k: v for k, v in rescored[0].sampling.items() if k in names and v not in NEUTRAL[k]}
 
 
-def _truncation_check(gap: float, batch: Batch, rescored: Sequence[Rescored]) -> tuple[str, bool, str, str]:
-    """top_p renormalises the engine's log-probs (a hypothesis); top_k and min_p truncate its sampling (settings)."""
-    top_p = rescored[0].sampling.get("top_p")
-    leaves = f"top_p={top_p}: the trainer renormalised over the nucleus leaves"
-    nucleus = _joined(rescored, "nucleus")
-    name, named, evidence, _ = _hypothesis("sampling: top_p/top_k", gap, batch, nucleus, leaves, "")
+def _correction_hint(on: bool) -> str:
+    """How a fix ends: offering rollout_correction, or saying what it does not do when it is already on."""
+    if on:
+        return (" (rollout_correction is already on: it reweights these tokens, but a weight cannot bring back what "
+                "the engine never samples)")  # fmt: skip
+    return ", or turn rollout_correction on"
+
+
+def _truncation_check(
+    floor: Floor, batch: Batch, rescored: Sequence[Rescored], correct: str
+) -> tuple[str, bool, str, str]:
+    """top_p and top_k renormalise the engine's log-probs (hypotheses: the nucleus, each k of the grid); top_k and
+    min_p among the engine's settings truncate its sampling."""
+    name = "sampling: top_p/top_k"
+    candidates = {f"top_p={rescored[0].sampling.get('top_p')}": _joined(rescored, "nucleus")}
+    candidates.update({f"top_k={k}": torch.cat([r.top_k[k] for r in rescored]) for k in sorted(rescored[0].top_k)})
+    left = {label: _gap(scores, batch) for label, scores in candidates.items() if scores is not None}
     static = _static(rescored, ("top_k", "min_p"))
-    if static:
-        evidence += f"; the engine also samples with {static}"
-    fix = ("the engine samples from a truncated distribution (top-p nucleus, top-k, min-p) and the trainer scores "
-           "the whole one: set rollout.top_p=1 and remove the others, or turn rollout_correction on")  # fmt: skip
+    evidence = f"the engine's settings show {static or 'no top-k or min-p'}"
+    best = min(left, key=left.__getitem__) if left else None
+    named = best is not None and _explains(left[best], floor)
+    if best is not None:
+        evidence = (f"the trainer renormalised as {best} leaves {left[best]:.3g} of a gap of {floor.gap:.3g} nats "
+                    f"per token; {evidence}")  # fmt: skip
+    fix = (f"the engine samples from a truncated distribution ({best if named else 'top-p, top-k, min-p'}) and the "
+           "trainer scores the whole one: set rollout.top_p=1 and remove the others (a model's generation_config, "
+           f"a sampler default, a logits processor){correct}")  # fmt: skip
     return name, named or bool(static), evidence, fix
 
 
-def _penalty_check(gap: float, batch: Batch, rescored: Sequence[Rescored]) -> tuple[str, bool, str, str]:
+def _penalty_check(floor: Floor, batch: Batch, rescored: Sequence[Rescored]) -> tuple[str, bool, str, str]:
     name = "sampling: repetition_penalty"
     penalties = sorted(rescored[0].penalised)
     if not penalties:
@@ -224,56 +281,39 @@ def _penalty_check(gap: float, batch: Batch, rescored: Sequence[Rescored]) -> tu
     left = {p: _gap(torch.cat([r.penalised[p] for r in rescored]), batch) for p in penalties}
     best = min(left, key=left.__getitem__)
     static = _static(rescored, ("repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size"))
-    named = bool(static) or gap > NOISE and left[best] <= EXPLAINED * gap
-    evidence = (f"a penalty of {best:g} on repeated tokens leaves {left[best]:.3g} of a gap of {gap:.3g} nats per "
-                f"token; the engine's settings show {static or 'none'}")  # fmt: skip
+    named = bool(static) or _explains(left[best], floor)
+    evidence = (f"a penalty of {best:g} on repeated tokens leaves {left[best]:.3g} of a gap of {floor.gap:.3g} nats "
+                f"per token; the engine's settings show {static or 'none'}")  # fmt: skip
     fix = (f"the engine samples with a repetition penalty (about {best:g}) the trainer does not apply: remove it "
            "(vLLM generation_config='vllm'; a model's generation_config.json for Hugging Face generate)")  # fmt: skip
     return name, named, evidence, fix
 
 
 def _stale_check(rescored: Sequence[Rescored], gap_history: list[float]) -> tuple[str, bool, str, str]:
-    first = rescored[0]
-    differ = [
-        (tensor, abs(t_sq - e_sq) / max(t_sq, 1e-30))
-        for tensor, t_sum, t_sq, e_sum, e_sq in first.checksums
-        if abs(t_sq - e_sq) > SUM_TOLERANCE * max(t_sq, 1e-30) or abs(t_sum - e_sum) > SUM_TOLERANCE * math.sqrt(t_sq)
-    ]
-    behind = first.optimizer_steps - first.engine_synced_at
-    readable = f"{len(first.checksums)} engine tensors compared" + (
-        f" ({first.unreadable} unreadable)" if first.unreadable > 0 else ""
-    )
-    if first.unreadable < 0:
-        readable = "engine tensors unreadable (tensor-parallel engine)"
-    evidence = f"{readable}, {len(differ)} differ"
-    if differ:
-        tensor, rel = differ[0]
-        evidence += f" (e.g. {tensor}: relative {rel:.2g})"
-    evidence += f"; the engine holds optimizer step {first.engine_synced_at}, the actor {first.optimizer_steps}"
-    if len(gap_history) >= 2 and gap_history[-1] > 10 * max(float(pd.Series(gap_history[:-1]).median()), NOISE / 10):
+    """Every rank's engine: fingerprints against its trainer's gathered weights, and the confirmed sync step."""
+    findings, compared = [], []
+    for r in rescored:
+        differ = [(tensor, rel) for tensor, rel in r.fingerprints if rel > FINGERPRINT_TOLERANCE]
+        compared.append(len(r.fingerprints))
+        if differ:
+            tensor, rel = max(differ, key=lambda item: item[1])
+            findings.append(f"rank {r.rank}: {len(differ)} of {len(r.fingerprints)} engine tensors' fingerprints "
+                            f"differ from the trainer's (most: {tensor}, by {rel:.2g} of its scale)")  # fmt: skip
+        if r.optimizer_steps != r.engine_synced_at:
+            findings.append(f"rank {r.rank}: the engine last confirmed the weights of optimizer step "
+                            f"{r.engine_synced_at}, the actor holds step {r.optimizer_steps}")  # fmt: skip
+    unreadable = [r.rank for r in rescored if r.unreadable < 0]
+    evidence = "; ".join(findings) or (f"fingerprints of {min(compared)}-{max(compared)} engine tensors per rank "
+                                       f"on {len(rescored)} ranks, none differ; each engine holds its actor's "
+                                       f"optimizer step {rescored[0].optimizer_steps}")  # fmt: skip
+    if unreadable:
+        evidence += f"; ranks {unreadable}: engine tensors unreadable (tensor-parallel engine)"
+    elif any(r.unreadable > 0 for r in rescored):
+        evidence += f" ({max(r.unreadable for r in rescored)} engine tensors unreadable)"
+    if len(gap_history) >= 2 and gap_history[-1] > 10 * max(float(pd.Series(gap_history[:-1]).median()), 1e-6):
         evidence += f"; the gap jumped to {gap_history[-1]:.3g} at the last step"
     fix = "the engine does not hold the actor's weights: check the weight sync (time/worker/sync, the engine's logs)"
-    return "stale weights", bool(differ) or behind > 0, evidence, fix
-
-
-def _dtype_check(gap: float, batch: Batch, rescored: Sequence[Rescored]) -> tuple[str, bool, str, str]:
-    dtypes = rescored[0].dtypes
-    name = "dtype floor"
-    lower = _joined(rescored, "engine_dtype")
-    fp32 = _joined(rescored, "engine_fp32")
-    if lower is None:
-        same = f"engine ({dtypes.get('engine')}) and trainer ({dtypes.get('trainer')}) share a precision"
-        return name, False, same, ""
-    trainer = torch.cat([r.trainer for r in rescored])
-    floor = float(_abs_mean(trainer, lower, batch))
-    evidence = f"engine {dtypes.get('engine')} vs trainer {dtypes.get('trainer')}: the trainer's own floor {floor:.3g}"
-    if fp32 is not None:
-        evidence += f"; the engine's own weights computed in fp32 leave {_abs_mean(trainer, fp32, batch):.3g}"
-    evidence += f" of a gap of {gap:.3g} nats per token"
-    named = NOISE < gap <= 3 * max(floor, NOISE)
-    fix = ("numerical noise of the engine's lower precision, not a bug: rollout_correction absorbs it, or run "
-           "the engine in the trainer's dtype (fsdp.param_dtype)")  # fmt: skip
-    return name, named, evidence, fix
+    return "stale weights", bool(findings), evidence, fix
 
 
 def _joined(rescored: Sequence[Rescored], field: str) -> torch.Tensor | None:

@@ -8,28 +8,35 @@ transformed the same way, reproduce the engine's, that hypothesis explains the g
 - ``no_temperature``: log softmax(z), the engine's log-probs taken before the temperature (TRL #4159);
 - ``nucleus``: log softmax(z / T) renormalised over the top-p nucleus (TRL #6789: the engine's "processed"
   log-probs at top_p < 1 are log(p / kept mass));
+- ``top_k[k]``: the same over the k most likely tokens, for each k of a grid (a top-k the engine applies and rlkit
+  did not set: a model's generation_config, a sampler default, a logits processor);
 - ``no_early_eos``: end-of-text suppressed before ``min_new_tokens`` (the engine's log-probs are then
   renormalised without it);
 - ``penalised[p]``: a repetition penalty p on every token already in the prompt or the response so far
   (logit / p if positive, * p if negative, then / T: Hugging Face's and vLLM's rule), for each p of a grid
   (a model's generation_config or a sampling default: OpenPipe/ART #140, NeMo-RL #3497, verl #7270);
-- ``engine_dtype``: the trainer's forward under autocast to the engine's lower precision (the bf16 floor).
 
-And the weights themselves: a float64 sum and sum of squares per tensor, on the trainer (cast to the engine's
-dtype) and inside the engine, to catch a weight sync that did not take.
+The floor the gap is held against (:mod:`rlkit.diagnostics.floor` decides) is a reference forward of the
+trainer's own weights in the engine's arithmetic (:mod:`rlkit.workers.mismatch` builds it). And the weights
+themselves: fingerprints that see order (:mod:`rlkit.models.fingerprint`) of every tensor, on the trainer (cast to
+the engine's dtype) and inside the engine, to catch a weight sync that did not take or loaded parts out of order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from rlkit.models.fingerprint import fingerprint
 from rlkit.models.logprobs import response_logits
 
 PENALTY_GRID = (0.8, 0.9, 0.95, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0)
 """Repetition penalties tried by the ``penalised`` hypothesis (1 is the trainer itself)."""
+TOP_K_GRID = (1, 2, 4, 8, 16, 20, 32, 40, 50, 64, 100, 128)
+"""Top-k values tried by the ``top_k`` hypothesis (common sampler defaults and powers of two)."""
+UNSAMPLEABLE = -100.0
+"""The log-prob a truncation hypothesis gives a token it excludes (the engine sampled it: a gap that refutes it)."""
 PROBE_ROWS = 4
 """Rows per re-scoring forward: the probe holds their [rows, T, V] fp32 logits (plus one [T, V] row at a time)."""
 
@@ -44,18 +51,23 @@ class Rescored:
     """The same at temperature 1 (only when the rollout's temperature is not 1)."""
     nucleus: torch.Tensor | None = None
     """Renormalised over the top-p nucleus (only when top_p < 1)."""
+    top_k: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Renormalised over the k most likely tokens, for each k of :data:`TOP_K_GRID`."""
     no_early_eos: torch.Tensor | None = None
     """End-of-text suppressed before min_new_tokens (only when min_new_tokens > 0)."""
     penalised: dict[float, torch.Tensor] = field(default_factory=dict)
     """Under each repetition penalty of :data:`PENALTY_GRID`."""
-    engine_dtype: torch.Tensor | None = None
-    """The trainer's forward under autocast to the engine's dtype (only when that is lower than the trainer's)."""
-    engine_fp32: torch.Tensor | None = None
-    """The engine's own weights, upcast to fp32 (engines whose model rlkit holds: the hf engine)."""
+    reference: torch.Tensor | None = None
+    """The floor's reference: the trainer's weights in the engine's arithmetic (see ``reference_kind``)."""
+    reference_kind: str = ""
+    """How the reference was computed (a copy of the engine's model holding the trainer's weights, or the
+    trainer's own forward in another layout, under autocast to the engine's dtype where that is lower)."""
+    rank: int = 0
     dtypes: dict[str, str] = field(default_factory=dict)
     """The trainer's compute dtype and the engine's weight dtype."""
-    checksums: list[tuple[str, float, float, float, float]] = field(default_factory=list)
-    """(engine tensor, trainer sum, trainer sum of squares, engine sum, engine sum of squares) per readable tensor."""
+    fingerprints: list[tuple[str, float]] = field(default_factory=list)
+    """(engine tensor, relative difference of its fingerprint from the trainer's) per readable engine tensor
+    (rlkit.models.fingerprint.differs: 0 when equal, above TOLERANCE when the values or their order differ)."""
     unreadable: int = 0
     """Engine tensors whose values the probe could not read (vLLM's CPU backend repacks its linear weights)."""
     optimizer_steps: int = 0
@@ -80,7 +92,7 @@ def rescore_rows(
     """Rows [b, P + T] re-scored by ``model`` under the hypotheses of the module doc (one forward, no grad).
 
     Returns {"trainer", "no_temperature" (T != 1), "nucleus" (top_p < 1), "no_early_eos" (min_new_tokens > 0),
-    "penalty=<p>" for each p}: [b, T] each.
+    "top_k=<k>" for each k < V, "penalty=<p>" for each p}: [b, T] each.
     """
     logits = response_logits(model, input_ids, attention_mask, width).float()
     tokens = input_ids[:, -width:]
@@ -90,7 +102,9 @@ def rescore_rows(
     if t != 1.0:
         out["no_temperature"] = _picked(logits, tokens)
     if top_p < 1.0:
-        out["nucleus"] = _picked(nucleus_logits(logits / t, top_p), tokens)
+        out["nucleus"] = _picked(nucleus_logits(logits / t, top_p), tokens).clamp(min=UNSAMPLEABLE)
+    for k in (k for k in TOP_K_GRID if k < logits.shape[-1]):
+        out[f"top_k={k}"] = _picked(top_k_logits(logits / t, k), tokens).clamp(min=UNSAMPLEABLE)
     if min_new_tokens > 0 and eos_token_id is not None:
         early = logits.clone()
         early[:, :min_new_tokens, eos_token_id] = -torch.inf
@@ -132,29 +146,25 @@ def nucleus_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(tail.scatter(-1, order, tail), -torch.inf)
 
 
+def top_k_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., V] logits outside the ``k`` largest set to -inf (ties at the k-th kept, as samplers keep them)."""
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, -torch.inf)
+
+
 def _picked(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def tensor_sums(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, tuple[float, float]]:
-    """{name: (sum, sum of squares)} in float64 of each tensor cast to ``dtype`` (the engine's, so a correct sync
-    agrees up to summation order)."""
-    sums = {}
-    for name, tensor in weights:
-        values = tensor.detach().to(dtype).double()
-        sums[name] = (float(values.sum()), float(values.square().sum()))
-    return sums
-
-
-def engine_tensor_sums(engine: object, shapes: dict[str, list[int]]) -> tuple[dict[str, tuple], int]:
-    """The engine's own tensors' sums: ({engine tensor: (sum, sum of squares, [trainer tensors it holds])},
-    unreadable count), or ({}, -1) for an engine whose weights the probe cannot reach (tensor parallel)."""
+def engine_fingerprints(engine: object, shapes: dict[str, list[int]]) -> tuple[dict[str, tuple], int]:
+    """The engine's own fingerprints (rlkit.models.fingerprint) of the rows holding each trainer tensor:
+    ({trainer tensor: (engine tensor, fingerprint)}, unreadable count), or ({}, -1) for an engine whose weights the
+    probe cannot reach (tensor parallel)."""
     model = getattr(engine, "model", None)
     if isinstance(model, torch.nn.Module):  # the hf engine: the same names as the trainer's
-        named = [(n, p) for n, p in model.named_parameters() if n in shapes]
-        return {n: (*s, [n]) for n, s in tensor_sums(named, named[0][1].dtype).items()}, 0
+        return {n: (n, fingerprint(p)) for n, p in model.named_parameters() if n in shapes}, 0
     llm = getattr(engine, "llm", None)
     if llm is None or getattr(llm, "llm_engine", None) is None:
         return {}, -1
-    results = llm.collective_rpc("rlkit_tensor_sums", args=(shapes,))
+    results = llm.collective_rpc("rlkit_fingerprints", args=(shapes,))
     return (results[0][0], results[0][1]) if len(results) == 1 else ({}, -1)

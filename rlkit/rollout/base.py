@@ -9,6 +9,10 @@ from typing import Protocol
 
 import torch
 
+LOGIT_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "no_repeat_ngram_size")  # fmt: skip
+"""Sampling settings that change the distribution sampled from (and so an engine's log-probs)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:

@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import torch
 
-from rlkit.rollout.base import Generation, SamplingParams
+from rlkit.rollout.base import LOGIT_SETTINGS, Generation, SamplingParams
 
 
 class HFEngine:
@@ -58,6 +58,12 @@ class HFEngine:
             logprob_rows=torch.ones(len(response), dtype=torch.bool, device=response.device),
             finish_reason=["stop" if f else "length" for f in finished.tolist()],
         )
+
+    def effective_sampling(self, params: SamplingParams) -> dict[str, object]:
+        """The settings of :data:`~rlkit.rollout.base.LOGIT_SETTINGS` generate applies for ``params``: rlkit's
+        GenerationConfig with what transformers fills in from the model's ``generation_config`` and its defaults."""
+        merged, _ = self.model._prepare_generation_config(self._generation_config(params))
+        return {k: getattr(merged, k, None) for k in LOGIT_SETTINGS}
 
     def _generation_config(self, params: SamplingParams) -> Any:
         """transformers' GenerationConfig for ``params``: temperature and top_p (top_k off), nothing else."""

@@ -31,7 +31,7 @@ import torch
 
 from rlkit.config import LoraConfig
 from rlkit.models.lora import save_adapter
-from rlkit.rollout.base import Generation, SamplingParams, logprob_prompts
+from rlkit.rollout.base import LOGIT_SETTINGS, Generation, SamplingParams, logprob_prompts
 from rlkit.rollout.reaper import Reaper
 from rlkit.rollout.sleep import SleepPolicy
 from rlkit.rollout.vllm_weights import SharedWeights, write_files
@@ -161,15 +161,7 @@ class VLLMEngine:
             for prompt_ids, prompt_mask in shards
             for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)
         ]
-        common: dict[str, Any] = dict(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
-            min_tokens=params.min_new_tokens,
-            stop_token_ids=[self.eos_token_id],
-            detokenize=False,
-        )
+        common = self._sampling_settings(params)
         # the sampled token's log-prob only, as plain float lists (not a dict of objects per token)
         with_logprobs = VLLMSamplingParams(**common, logprobs=0, flat_logprobs=True)
         plain = VLLMSamplingParams(**common)
@@ -198,6 +190,18 @@ class VLLMEngine:
         if len(rows) != sum(sizes):
             raise ValueError(f"SamplingParams.logprob_rows has {len(rows)} values for {sum(sizes)} prompts")
         return list(torch.tensor(rows, dtype=torch.bool).split(sizes))
+
+    def _sampling_settings(self, params: SamplingParams) -> dict[str, Any]:
+        return dict(n=params.n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+                    min_tokens=params.min_new_tokens, stop_token_ids=[self.eos_token_id], detokenize=False)
+
+    def effective_sampling(self, params: SamplingParams) -> dict[str, object]:
+        """The settings of :data:`~rlkit.rollout.base.LOGIT_SETTINGS` in the SamplingParams generate builds for
+        ``params``, as vLLM holds them (its defaults and anything else that changes the object included)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        built = VLLMSamplingParams(**self._sampling_settings(params))
+        return {k: getattr(built, k) for k in LOGIT_SETTINGS if hasattr(built, k)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Reload the engine's weights in place from (name, full tensor) pairs; returns how many.

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlkit.models.fingerprint import fingerprint
 from rlkit.rollout.vllm_weights import layout_views
 
 Plan = list[tuple[str, list[tuple[str, int, int]]]]
@@ -94,16 +95,17 @@ class WorkerExtension:
             torch.cuda.synchronize()  # done reading before the sender overwrites or frees its buffers
         return mode
 
-    def rlkit_tensor_sums(self, shapes: dict[str, list[int]]) -> tuple[dict[str, tuple], int]:
-        """Float64 (sum, sum of squares, checkpoint tensors) of every engine parameter whose values are readable, by
-        name, and how many are not (vLLM's CPU backend repacks linear weights into empty parameters). A fused
-        parameter sums its checkpoint tensors (``packed_modules_mapping``); rows past theirs (padding) are left out.
-        ``shapes``: the trainer's tensors' shapes by name. Tensor parallelism: nothing (each worker holds shards)."""
+    def rlkit_fingerprints(self, shapes: dict[str, list[int]]) -> tuple[dict[str, tuple], int]:
+        """{checkpoint tensor: (engine parameter, fingerprint of the rows where it sits)} (rlkit.models.fingerprint)
+        for every engine parameter whose values are readable, and how many are not (vLLM's CPU backend repacks
+        linear weights into empty parameters). A fused parameter holds its checkpoint tensors stacked along dim 0
+        in ``packed_modules_mapping``'s order; rows past theirs (padding) are left out. ``shapes``: the trainer's
+        tensors' shapes by name. Tensor parallelism: nothing (each worker holds shards)."""
         model = self.model_runner.get_model()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             return {}, -1
         packed = getattr(model, "packed_modules_mapping", {}) or {}
-        sums, unreadable = {}, 0
+        prints, unreadable = {}, 0
         for name, param in model.named_parameters():
             module, _, attr = name.rpartition(".")
             parent, _, leaf = module.rpartition(".")
@@ -112,9 +114,12 @@ class WorkerExtension:
             if param.numel() == 0 or rows == 0 or param.shape[0] < rows:
                 unreadable += 1
                 continue
-            values = param.detach()[:rows].double()
-            sums[name] = (float(values.sum()), float(values.square().sum()), parts)
-        return sums, unreadable
+            start = 0
+            for part in parts:
+                block = param.detach()[start : start + shapes[part][0]]
+                prints[part] = (name, fingerprint(block).tolist())  # plain floats: RPC results are msgpacked
+                start += shapes[part][0]
+        return prints, unreadable
 
     def _rlkit_checked_plan(self) -> Plan | None:
         """A stacking plan whose copies reproduce exactly what the loader just put in every parameter."""

@@ -1,6 +1,6 @@
 """The controller's side of ``trainer.mismatch()`` and ``trainer.certify()``: each rank's re-scoring of a rollout
 nothing trains on (:meth:`PolicyWorker.mismatch_probe`), the report (:mod:`rlkit.diagnostics.mismatch`) and the
-gap floor."""
+gap against its floor."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ CERTIFY_SEED = 424_242
 
 @dataclass
 class GapFloor:
-    """``trainer.certify()``: the engine-vs-trainer gap of a fixed-seed rollout for this model, engine and settings."""
+    """``trainer.certify()``: the engine-vs-trainer gap of a fixed-seed rollout for this model, engine and settings,
+    against the floor measured on the same rows."""
 
     engine: str
     dtypes: dict[str, str]
@@ -37,33 +38,44 @@ class GapFloor:
     abs_delta_p99: float
     abs_delta_max: float
     kl_k3: float
+    floor: float
+    """Mean |trainer - reference| over the same tokens (rlkit.diagnostics.floor): what an honest engine leaves."""
+    tolerance: float
+    """The excess over the floor still called the floor (3 standard errors over the rows + 1e-6)."""
     causes: list[str]
-    """The checks of :class:`~rlkit.diagnostics.mismatch.MismatchReport` that named a cause (none: the gap is the
-    floor of these settings)."""
+    """The checks of :class:`~rlkit.diagnostics.mismatch.MismatchReport` that named a cause."""
+    verdict: str
+    """"clean: ..." only when no cause is named and the gap is within the tolerance of the floor on every rank;
+    otherwise the causes named, or "unexplained: N x the floor" with what was ruled out."""
     report: MismatchReport
 
     @property
     def clean(self) -> bool:
-        return not self.causes
+        return self.report.clean
 
     def to_pandas(self) -> pd.DataFrame:
-        """One row: the settings and the floor."""
+        """One row: the settings, the gap and the floor, the verdict."""
         row = {k: v for k, v in vars(self).items() if k not in ("report", "dtypes", "causes")}
         return pd.DataFrame([{**row, **{f"{k}_dtype": v for k, v in self.dtypes.items()}, "causes": self.causes}])
 
     def __str__(self) -> str:
-        verdict = "clean: this is the floor" if self.clean else "causes named: " + ", ".join(self.causes)
-        return (f"gap floor ({self.engine} engine {self.dtypes.get('engine')}, trainer {self.dtypes.get('trainer')}, "
+        return (f"gap ({self.engine} engine {self.dtypes.get('engine')}, trainer {self.dtypes.get('trainer')}, "
                 f"temperature {self.temperature:g}, top_p {self.top_p:g}): mean |delta| {self.abs_delta_mean:.3g}, "
                 f"p99 {self.abs_delta_p99:.3g}, max {self.abs_delta_max:.3g}, k3 {self.kl_k3:.3g} over "
-                f"{self.tokens} tokens; {verdict}")  # fmt: skip
+                f"{self.tokens} tokens; {self.verdict}")  # fmt: skip
 
 
 def probe(
-    policy: RoleGroup, batch: Batch, max_rows: int, decode: Callable[[int], str], gap_history: list[float]
+    policy: RoleGroup,
+    batch: Batch,
+    max_rows: int,
+    decode: Callable[[int], str],
+    gap_history: list[float],
+    correction_on: bool = False,
 ) -> MismatchReport:
     """Each rank re-scores the first ``max_rows / world size`` of its rows of ``batch`` that carry engine log-probs
-    (as many on every rank); the report of those rows. ``gap_history``: the run's rollout/logprob_gap/mean."""
+    (as many on every rank); the report of those rows. ``gap_history``: the run's rollout/logprob_gap/mean;
+    ``correction_on``: the run's rollout_correction is on."""
     ranks = policy.cluster.world_size
     shards = batch.split(ranks)
     with_engine = [torch.ones(len(s), dtype=torch.bool) if s.rollout_logprob_rows is None else s.rollout_logprob_rows
@@ -74,7 +86,18 @@ def probe(
     picked = [s.select(rows.nonzero().squeeze(1)[:per_rank]) for s, rows in zip(shards, with_engine, strict=True)]
     rows = [Rows(input_ids=s.input_ids, attention_mask=s.attention_mask, response_mask=s.response_mask) for s in picked]
     rescored = policy.call(PolicyWorker.mismatch_probe, PerRank(rows))
-    return mismatch_report(Batch.concat(picked), rescored, decode=decode, gap_history=gap_history)
+    return mismatch_report(Batch.concat(picked), rescored, decode=decode, gap_history=gap_history,
+                           correction_on=correction_on)  # fmt: skip
+
+
+def certify_rows(side_rollout: Callable[[list[int]], Batch], seed: int, ranks: int, max_rows: int) -> Batch:
+    """Fixed-seed rollouts (``side_rollout(seeds)``, one seed per rank) until there are ``max_rows`` rows, joined so
+    that each rank's share still holds the rows its own engine generated (the floor is judged per rank)."""
+    batches: list[Batch] = []
+    while not batches or sum(len(b) for b in batches) < max_rows:
+        first = seed * 1_000_003 + CERTIFY_SEED + len(batches) * ranks
+        batches.append(side_rollout([first + r for r in range(ranks)]))
+    return Batch.concat([part for r in range(ranks) for part in (b.split(ranks)[r] for b in batches)])
 
 
 def gap_floor(report: MismatchReport, rollout: RolloutConfig) -> GapFloor:
@@ -90,6 +113,9 @@ def gap_floor(report: MismatchReport, rollout: RolloutConfig) -> GapFloor:
         abs_delta_p99=float(gaps.quantile(0.99)) if len(gaps) else math.nan,
         abs_delta_max=s.get("abs_delta_max", math.nan),
         kl_k3=s.get("kl_k3", math.nan),
+        floor=report.floor.floor,
+        tolerance=report.floor.tolerance,
         causes=report.causes,
+        verdict=report.verdict,
         report=report,
     )

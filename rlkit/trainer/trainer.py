@@ -40,7 +40,7 @@ from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tok
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
-from rlkit.trainer.mismatch import CERTIFY_SEED, GapFloor, gap_floor, probe
+from rlkit.trainer.mismatch import GapFloor, certify_rows, gap_floor, probe
 from rlkit.trainer.model_reward import ModelReward
 from rlkit.trainer.sampling import refill_informative
 from rlkit.workers import CriticWorker, PolicyWorker, RolloutResult
@@ -390,18 +390,20 @@ class Trainer(PolicyTrainerBase):
         """Why the rollout engine and the trainer disagree, now: a rollout of the next prompts with the next step's
         seeds (nothing trains; the prompt stream stays where it is), whose first ``max_rows`` rows each rank
         re-scores. Per token the engine's and the trainer's log-probs and their ratio, grouped by position, token id,
-        rank and turn, and checks that name causes (sampling settings, stale weights, a dtype floor): see
-        rlkit.diagnostics.mismatch."""
+        rank and turn, the gap against a floor measured on the same rows, and checks that name causes (sampling
+        settings, stale weights): see rlkit.diagnostics.mismatch."""
         self._check_usable()
-        return probe(self._policy, self._side_rollout(self._next_seeds()), max_rows, self._decode, self._gap_history())
+        batch, on = self._side_rollout(self._next_seeds()), self.config.rollout_correction.enabled
+        return probe(self._policy, batch, max_rows, self._decode, self._gap_history(), on)
 
     def certify(self, max_rows: int = 64) -> GapFloor:
-        """The engine-vs-trainer gap floor of this model, engine and settings: :meth:`mismatch` on a fixed-seed
-        rollout, summarised (mean, p99 and max |delta|, k3) with any cause named."""
+        """The engine-vs-trainer gap of this model, engine and settings: :meth:`mismatch` on ``max_rows`` rows of
+        fixed-seed rollouts, summarised (mean, p99 and max |delta|, k3) against the floor measured on its rows, with
+        the verdict: "clean" only within the floor's tolerance on every rank (rlkit.diagnostics.floor)."""
         self._check_usable()
-        cfg, ranks = self.config, self.cluster.world_size
-        batch = self._side_rollout([cfg.seed * 1_000_003 + CERTIFY_SEED + r for r in range(ranks)])
-        report = probe(self._policy, batch, max_rows, self._decode, self._gap_history())
+        cfg = self.config
+        batch = certify_rows(self._side_rollout, cfg.seed, self.cluster.world_size, max_rows)
+        report = probe(self._policy, batch, max_rows, self._decode, self._gap_history(), cfg.rollout_correction.enabled)
         return gap_floor(report, cfg.rollout)
 
     def _decode(self, token_id: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -213,12 +214,13 @@ class PolicyWorker(ActorRole):
         self.clock.start()
         rows = rows.to(self.device)
         sums = MetricSums(self.device)
-        # one optimizer step per batch and no old log-probs from the rollout: the first forward is the old policy
+        # no old log-probs from the rollout (recompute_logprobs=False): see _old_logprobs
         scored = torch.zeros_like(rows.response_mask) if rows.old_logprobs is None else None
+        mini_size = len(rows) // cfg.mini_batches
         skipped = 0  # optimizer steps skipped on a non-finite gradient norm (every rank alike)
         with self.clock.timed("update"):
-            for _ in range(cfg.ppo_epochs):
-                for mini in mini_batches(rows, cfg.mini_batches):
+            for epoch in range(cfg.ppo_epochs):
+                for m, mini in enumerate(mini_batches(rows, cfg.mini_batches)):
                     # 1. the loss normalisers: the whole mini-batch's token and sequence counts over all ranks
                     num_tokens, num_seqs = global_counts(mini.response_mask)
                     actor.optimizer.zero_grad(set_to_none=True)
@@ -228,10 +230,8 @@ class PolicyWorker(ActorRole):
                         for index, micro in steps:
                             # 2. the current policy's log-probs of the sampled tokens (and the entropy)
                             new_logprobs, entropy = self._new_logprobs(micro)
-                            if scored is not None:  # the only mini-batch is all the rows: index places them
-                                old_logprobs = scored[index.to(self.device)] = new_logprobs.detach()
-                            else:
-                                old_logprobs = micro.filled("old_logprobs")
+                            place = m * mini_size + index.to(self.device) if epoch == 0 else None
+                            old_logprobs = _old_logprobs(micro, new_logprobs, scored, place)
                             # 3. the objective (rlkit.algos), with the engine-vs-trainer gap and its correction
                             weights = loss_weights(
                                 micro.response_mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -265,10 +265,24 @@ class PolicyWorker(ActorRole):
 
     def sync_engine(self) -> int:
         """Push the actor's full weights (LoRA: merged, or the adapters alone, as ``rollout.lora_sync`` says) into the
-        rollout engine; returns how many tensors were loaded."""
+        rollout engine; returns how many tensors it loaded. The engine's sync step is stamped only when the engine
+        confirms the load (it reports loading as many tensors as were sent); otherwise a warning, and
+        ``trainer.mismatch()`` names the stale engine."""
+        sent = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for pair in engine_weights(self.actor.model, self.lora, self.config.rollout.lora_sync):
+                sent += 1
+                yield pair
+
         with self.clock.timed("sync"):
-            count = self.engine.load_weights(engine_weights(self.actor.model, self.lora, self.config.rollout.lora_sync))
-        self.engine_synced_at = int(self.actor.scheduler.last_epoch)
+            count = self.engine.load_weights(counted())
+        if count == sent > 0:
+            self.engine_synced_at = int(self.actor.scheduler.last_epoch)
+        else:
+            logger.warning("rank %d: the engine loaded %d of the %d tensors sent; it keeps the weights of optimizer "
+                           "step %d", self.rank, count, sent, self.engine_synced_at)  # fmt: skip
         return count
 
     def mismatch_probe(self, rows: Rows) -> Rescored:
@@ -332,6 +346,20 @@ class PolicyWorker(ActorRole):
         self.engine.close()
         if self.calls is not None:
             self.calls.close()
+
+
+def _old_logprobs(
+    micro: PolicyRows, new_logprobs: torch.Tensor, scored: torch.Tensor | None, place: torch.Tensor | None
+) -> torch.Tensor:
+    """The ratio's old log-probs of ``micro`` [b, T]: the rollout's; or, none recomputed, this forward's, detached
+    (one optimizer step per batch: the old policy itself; bypass mode: the engine is the old policy and the mask
+    tests the current one, as verl's), kept in ``scored`` [n, T] at the rows ``place`` (the first epoch's)."""
+    if scored is None:
+        return micro.filled("old_logprobs")
+    old = new_logprobs.detach()
+    if place is not None:
+        scored[place] = old
+    return old
 
 
 def _trajectory_fields(gen: Generation) -> dict:
