@@ -62,6 +62,28 @@ class RunData:
         return "\n".join(lines)
 
 
+def _val_source(
+    config: RLConfig, tokenizer: Any, base_dir: str | Path | None, val_prompts: PromptInput | None, agent: Any,
+    fields: list[str] | None,
+) -> tuple[Any, Any, list[str]]:
+    """The validation prompts, their report and their problems (none asked for: None, None, [])."""
+    if val_prompts is None and not config.data.val_files:
+        return None, None, []
+    if agent is not None:
+        return None, None, ["validation prompts with tools or an environment: multi-turn validation is not "
+                            "supported yet; leave data.val_files empty (and val_prompts unset)"]  # fmt: skip
+    val, report, problems = collect_prompts(
+        config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
+        base_dir=base_dir, split="val", prompts=val_prompts,
+    )
+    if report is not None and fields is not None and report.fields != fields:
+        problems.append(
+            f"the validation data has the fields {report.fields} but the training data has {fields}: "
+            "give both the same columns (the reward functions get them)"
+        )
+    return val, report, problems
+
+
 def load_run_data(
     config: RLConfig,
     tokenizer: Any,
@@ -93,21 +115,8 @@ def load_run_data(
     opens = agent is None or agent.environment is None  # with an environment, the trajectories open the turn
     train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas, opens)
     problems += train_problems
-    val, val_report = None, None
-    if agent is not None and (val_prompts is not None or config.data.val_files):
-        problems.append("validation prompts with tools or an environment: multi-turn validation is not supported "
-                        "yet; leave data.val_files empty (and val_prompts unset)")  # fmt: skip
-    elif val_prompts is not None or config.data.val_files:
-        val, val_report, val_problems = collect_prompts(
-            config.data, tokenizer, config.seed, max_prompt_tokens=config.data.max_prompt_tokens,
-            base_dir=base_dir, split="val", prompts=val_prompts,
-        )
-        problems += val_problems
-        if val_report is not None and fields is not None and val_report.fields != fields:
-            problems.append(
-                f"the validation data has the fields {val_report.fields} but the training data has {fields}: "
-                "give both the same columns (the reward functions get them)"
-            )
+    val, val_report, val_problems = _val_source(config, tokenizer, base_dir, val_prompts, agent, fields)
+    problems += val_problems
     if fields is None and val_report is not None:
         fields = val_report.fields
     task = prompts is None and not config.data.train_files and config.model == "tiny"
