@@ -72,8 +72,11 @@ def describe_lora(config: RLConfig | PreferenceConfig) -> str | None:
 
 def _fsdp1_lora_problems(config: RLConfig | PreferenceConfig, model_dir: Path, world_size: int) -> list[str]:
     """LoRA on FSDP1 that does not shard (one rank, no_shard, or hybrid groups of one) with an output head tied to
-    the input embedding: torch's FSDP1 leaves the frozen, tied weight registered as a plain tensor after the first
-    training forward, and the next gather of the full weights (the engine's sync) fails on it."""
+    the input embedding. A training forward sets a unit's parameters to plain tensor views; FSDP1 turns them back
+    into parameters in the unit's post-backward hook, which a unit that trains nothing (the frozen root, holding
+    the embedding) never runs when it does not shard. FSDP1 then takes the tensors for parameters the user
+    replaced, and the next gather of the full weights (the engine's sync) fails on the tied pair
+    ("as_params=True type(prim_param)=Tensor"; torch 2.11 on the H200 and 2.13 on CPU alike)."""
     fsdp, lora = config.fsdp, getattr(config, "lora", None)
     if fsdp.version != 1 or lora is None or not lora.enabled:
         return []
