@@ -108,7 +108,8 @@ def bind(model: torch.nn.Module, config: LoraConfig, head: str | None = None) ->
         )
     _check_modules_to_save(model, config)
     binding = _per_layer(chosen, decoder_layer_paths(model), config)
-    saved = [m for name, m in model.named_modules() if name in _matches(model, list(config.modules_to_save))]
+    saved_names = set(_matches(model, list(config.modules_to_save)))
+    saved = [m for name, m in model.named_modules() if name in saved_names]
     linears = [cast(torch.nn.Linear, model.get_submodule(name)) for name in chosen]
     binding.rank, binding.alpha = config.rank, config.alpha
     adapters = sum(config.rank * (m.in_features + m.out_features) for m in linears)
@@ -137,7 +138,8 @@ def _check_modules_to_save(model: torch.nn.Module, config: LoraConfig) -> None:
     ends = {what: getattr(model, getter, lambda: None)() for what, getter in
             (("output head", "get_output_embeddings"), ("input embedding", "get_input_embeddings"))}  # fmt: skip
     for entry in config.modules_to_save:
-        hit = {id(module) for name, module in model.named_modules() if name in _matches(model, [entry])}
+        names = set(_matches(model, [entry]))
+        hit = {id(module) for name, module in model.named_modules() if name in names}
         for what, module in ends.items():
             if module is not None and id(module) in hit:
                 raise ValueError(
