@@ -69,7 +69,7 @@ def start_bare(model_dir: str, prompts: list[str], group: int, response_len: int
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     gpu = visible_gpu_id(policy.device) if policy.device.type == "cuda" else None
     bare = BareVLLM(Path(model_dir), ids, group=group, response_len=response_len, lengths=lengths,
-                    gpu_memory_utilization=gpu_memory_utilization, gpu=gpu)
+                    gpu_memory_utilization=gpu_memory_utilization, gpu=gpu, sleep_between=gpu is not None)
     fraction = policy.config.rollout.engine_logprobs
     context().state["bench.probe"] = Probe(bare, torch.tensor(ids), group, response_len, fraction)
     return {"start_s": bare.start_s, "settings": bare.settings()}
