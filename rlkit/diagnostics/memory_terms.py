@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any
 
-from rlkit.models.logprobs import CHUNK_ELEMENTS
+from rlkit.diagnostics.head_memory import logits_layout
+from rlkit.models.packing import PACKABLE_MODEL_TYPES
 
 GiB = 2**30
 
@@ -24,14 +25,6 @@ VLLM_ASLEEP_GIB = 1.5
 """A sleeping vLLM engine (sleep level 1: weights in host memory, KV cache dropped): its CUDA context and graphs."""
 VLLM_WORKSPACE_GIB = 2.0
 """vLLM beside its weights when ``kv_cache_gb`` fixes the KV cache: activations, sampler, CUDA graphs, context."""
-FORWARD_CHUNKS = 3
-"""fp32 [chunk, V] tensors alive at once in sampled_logprobs' forward: the scaled chunk, its probabilities and
-their product (for the entropy)."""
-BACKWARD_CHUNKS = 1
-"""fp32 [chunk, V] tensors alive at once in its backward (one, updated in place)."""
-FP32_PATH_BYTES = 24
-"""Bytes per logit at the loss on the entropy-bonus path (entropy_coef > 0: plain autograd over fp32 logits): the
-scaled copy, two log-softmax outputs, exp and product (about five fp32 copies), and gradients of as many in backward."""
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 SHARDINGS = ("full", "hybrid", "no_shard")
 SLEEPS = ("always", "auto", "never")
@@ -51,6 +44,8 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool
     """Qwen2 has biases on q, k and v; Llama only where ``attention_bias`` says so."""
+    fused_head: bool = True
+    """rlkit fuses the LM head with the log-softmax (the families of ``PACKABLE_MODEL_TYPES``): no [rows, V] logits."""
 
     @classmethod
     def from_config(cls, config: Mapping | Any) -> ModelShape:
@@ -76,6 +71,7 @@ class ModelShape:
             vocab_size=int(get("vocab_size")),
             tied_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=bool(bias) if bias is not None else get("model_type") == "qwen2",
+            fused_head=get("model_type") in PACKABLE_MODEL_TYPES,
         )
 
     @property
@@ -165,7 +161,9 @@ class MemorySetting:
     """[PPOConfig] a value model with its own gradients and AdamW state."""
     recompute_logprobs: bool = True
     entropy_bonus: bool = False
-    """[entropy_coef > 0] the loss takes the fp32 log-softmax path."""
+    """[entropy_coef > 0] the plain head's loss takes the fp32 log-softmax path (the fused head: the same memory)."""
+    head_math: str = "fused"
+    """The fused head's chunk math: "fused" (compiled, a GPU's) or "eager" (a CPU's; larger fp32 chunks)."""
     engine: str = "hf"
     """[rollout.engine] "hf" (a whole compute-dtype copy in the trainer's process) or "vllm" (its own process)."""
     gpu_memory_utilization: float = 0.5
@@ -195,6 +193,7 @@ class MemorySetting:
             (self.engine in ("hf", "vllm"), f'engine={self.engine!r}: use "hf" or "vllm"'),
             (self.engine_sleep in SLEEPS, f"engine_sleep={self.engine_sleep!r}: use one of {SLEEPS}"),
             (self.fsdp_version in (1, 2), f"fsdp_version={self.fsdp_version}: use 1 or 2"),
+            (self.head_math in ("fused", "eager"), f'head_math={self.head_math!r}: use "fused" or "eager"'),
             (min(self.prompt_tokens, self.response_tokens, self.samples_per_step, self.mini_batches,
                  self.micro_batch_size) >= 1, "prompt_tokens, response_tokens, samples_per_step, mini_batches and "
              "micro_batch_size must each be >= 1"),
@@ -244,48 +243,6 @@ class MemorySetting:
         return self.micro_batches_per_step > 1 and not self.cpu_offload and exact
 
 
-class LogitsLayout(NamedTuple):
-    """Which [*, V] tensors one micro-batch's LM head and log-softmax make (adjust here when the packed path lands)."""
-
-    rows: int
-    """Log-probs taken: response tokens."""
-    head_rows: int
-    """Rows the LM head outputs."""
-    copies: int
-    """Further compute-dtype [rows, V] copies beside the head's output."""
-
-
-def logits_layout(s: MemorySetting) -> LogitsLayout:
-    """Padded: the head runs on T + 1 positions per row (``logits_to_keep``) and sampled_logprobs' reshape copies
-    the non-contiguous [:, :-1] slice. Packed: the head runs on the response tokens only, no copy."""
-    seqs = s.sequences_per_micro_batch
-    rows = math.ceil(seqs * s.response_tokens)
-    if s.padding_free:
-        return LogitsLayout(rows, rows, 0)
-    return LogitsLayout(rows, rows + math.ceil(seqs), 1)
-
-
-def logits_bytes(layout: LogitsLayout, vocab: int, e: int, *, grad: bool, fp32_path: bool = False) -> int:
-    """Peak bytes of one micro-batch's logits and log-softmax (rlkit.models.logprobs.sampled_logprobs).
-
-    Forward at the loss: the head's output, the copies and FORWARD_CHUNKS fp32 chunks of
-    min(rows, CHUNK_ELEMENTS // V) rows. Backward: the saved logits, their gradient and BACKWARD_CHUNKS chunks;
-    then, padded, the slice's backward writes the gradient into a zero [head_rows, V] tensor while the [rows, V]
-    gradient is alive. ``fp32_path`` (entropy bonus): FP32_PATH_BYTES per logit beside the head's output.
-    """
-    rows, head = layout.rows * vocab, layout.head_rows * vocab
-    if fp32_path:
-        return head * e + rows * FP32_PATH_BYTES
-    chunk = min(layout.rows, max(1, CHUNK_ELEMENTS // vocab)) * vocab * 4
-    forward = (head + layout.copies * rows) * e + FORWARD_CHUNKS * chunk
-    if not grad:
-        return forward
-    saved = rows if layout.copies else head
-    backward = (saved + rows) * e + BACKWARD_CHUNKS * chunk
-    unslice = (rows + head) * e if layout.copies else 0
-    return max(forward, backward, unslice)
-
-
 def layer_activation_bytes(shape: ModelShape, e: int, *, expanded_kv: bool) -> int:
     """Bytes one decoder layer saves for backward per token (Qwen2/Llama layer, SDPA, e-byte compute dtype).
 
@@ -312,7 +269,7 @@ def head_activation_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
     per_token = 4 * h + e * h + 4 + 8 + 2 * shape.head_dim * e
     if s.padding_mask and not s.padding_free:
         per_token += (1 + e) * s.sequence_tokens
-    return tokens * per_token + logits_layout(s).head_rows * e * h
+    return tokens * per_token + logits_layout(shape, s).head_rows * e * h
 
 
 def activation_bytes(shape: ModelShape, s: MemorySetting, e: int, *, phase: str) -> int:

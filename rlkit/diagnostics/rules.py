@@ -293,7 +293,23 @@ def memory_will_not_fit(est: MemoryEstimate) -> Iterator[Raw]:
     )
 
 
+def memory_is_tight(est: MemoryEstimate) -> Iterator[Raw]:
+    if not est.tight:
+        return
+    s, phase = est.setting, est.peak_phase
+    yield Raw(
+        "memory-is-tight", "warning",
+        f"The estimated per-rank peak, {est.peak_gib:.1f} GiB in the {phase} phase, is "
+        f"{est.peak_gib / s.device_memory_gib:.1%} of the device's {s.device_memory_gib:.1f} GiB, within the "
+        "estimate's own error: the run may stop with torch.OutOfMemoryError.",
+        f"{est.shape.num_parameters / 1e6:,.1f}M parameters on {s.world_size} rank(s), "
+        f"{s.tokens_per_micro_batch:,} tokens per micro-batch",
+        "; ".join(str(f) for f in est.fixes) or "lower the peak by any of the memory settings",
+        tuple(range(s.world_size)),
+    )
+
+
 PER_RANK = (optimizer_before_wrap, one_giant_unit, no_shard, fp16_without_scaler, mixed_fp16_bf16, flat_params,
             weights_replaced, frozen_trainable_mixed, wrong_device, unwrapped_params)
 ACROSS_RANKS = (ranks_differ, memory_not_sharded)
-PREFLIGHT = (memory_will_not_fit,)
+PREFLIGHT = (memory_will_not_fit, memory_is_tight)
