@@ -411,3 +411,19 @@ def test_a_peak_within_the_estimates_error_of_the_device_is_linted_as_tight():
     assert found.ids == ["memory-is-tight"] and found.items[0].severity == "warning"
     assert "97.0% of the device" in found.items[0].message and "activation_checkpointing" in found.items[0].fix
     assert estimate_findings(roomy).ids == []
+
+
+def test_the_estimate_replays_the_h200_records_within_15_percent():
+    """The 0.5B and 3B full fine-tuning runs measured on one H200 (bench/results), replayed through today's
+    estimate: every measured phase within 15% (the 3B update's was 0.638 before the fused head was modelled)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    records = ["results/2026-12-03-h200/rlkit-vllm.json", "results/2026-12-03-h200/3b-varlen-ac.json",
+               "results/2026-12-02-h200b/r1c/rlkit-0.5b-vllm.json"]
+    done = subprocess.run([sys.executable, "estimate_replay.py", *records, "--within", "0.15"], cwd=bench,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("measured") == 12 and "skipped" not in done.stderr  # 4 phases x 3 records
