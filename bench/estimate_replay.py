@@ -62,7 +62,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     off = [r for r in rows if args.within is not None and abs(r["measured/predicted"] - 1) > args.within]
     if off:
-        print(f"{len(off)} phase(s) off by more than {args.within:.0%}", file=sys.stderr)
+        print(f"{len(off)} phase(s) off by more than {args.within:.1%}", file=sys.stderr)
         sys.exit(1)
 
 
