@@ -179,6 +179,11 @@ class MemoryTracker:
             trained_mb=storage_bytes([p for p in params if p.requires_grad], self.device) / MiB,
         )
 
+    def restart_peak(self) -> None:
+        """Start the next mark's peak here: after a step that only frees memory (the engine's sleep), whose level
+        before it belongs to the last mark's phase, not to the next one's."""
+        self._reset_peak()
+
     def _reset_peak(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

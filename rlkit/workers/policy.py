@@ -142,6 +142,7 @@ class PolicyWorker(ActorRole):
         self.memory.mark("rollout")
         with self.clock.timed("engine_sleep"):
             self.engine.sleep()  # hybrid engine: free its memory for the actor until the next sync
+        self.memory.restart_peak()  # the weight-sync buffers the engine just freed are the rollout's, not scoring's
         attended = gen.response_attention if isinstance(gen, Episodes) else gen.response_mask.long()
         input_ids = torch.cat([prompt_ids.repeat_interleave(cfg.group_size, dim=0), gen.response_ids], dim=1)
         attention_mask = torch.cat([prompt_mask.repeat_interleave(cfg.group_size, dim=0), attended], 1)
