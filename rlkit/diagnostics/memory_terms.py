@@ -378,10 +378,12 @@ def shared_weights_bytes(shape: ModelShape, s: MemorySetting, *, awake: bool) ->
 
 
 def sync_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
-    """The weight sync: the actor gathered one full fp32 parameter at a time (the largest counts) and, for vLLM,
-    the shared compute-dtype buffers the engine reads the weights from, while its weights are awake."""
+    """The weight sync: the actor gathered one full fp32 parameter at a time (the largest counts; LoRA's frozen base
+    is gathered in the compute dtype, and a merge holds an adapted weight, its B @ A and their sum in fp32) and, for
+    vLLM, the shared compute-dtype buffers the engine reads the weights from, while its weights are awake."""
     e = DTYPE_BYTES[s.compute_dtype]
-    largest = 4 * max(shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size)
+    embedding, mlp = shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size
+    largest = max(e * embedding, 3 * 4 * mlp) if s.lora_rank else 4 * max(embedding, mlp)
     if s.engine == "hf":
         return {"gathered": largest, "engine": engine_bytes(shape, s, awake=True)}
     weights = shape.num_parameters * e
