@@ -166,8 +166,11 @@ def phase_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, dict[str, int]
                           "gathered": shared_weights_bytes(shape, s, awake=True)}}
     if s.recompute_logprobs or s.reference or s.critic:
         scores_logits = s.recompute_logprobs or s.reference
+        # scoring runs outside the update's accumulation: its units are gathered one at a time even when the
+        # update keeps them all
+        resharding = gathered_bytes(shape, dataclasses.replace(s, keep_unsharded=False), e, backward=False) + shared
         phases["scoring"] = {
-            **state, "engine": engine, "gathered": forward,
+            **state, "engine": engine, "gathered": resharding,
             "activations": activation_bytes(shape, s, e, phase="scoring"),
             "logits": head_bytes(shape, s, e, grad=False) if scores_logits else 0,
         }
