@@ -18,24 +18,29 @@ from rlkit.config import (
     LoraConfig,
     OptimConfig,
     PPOConfig,
+    PrimitivesConfig,
     RewardModelConfig,
     RewardSpec,
     RolloutConfig,
     RolloutCorrectionConfig,
     ValidationConfig,
 )
+from rlkit.data.datum import Datum
 from rlkit.runtime import launch
-from rlkit.trainer import PreferenceTrainer, Trainer
+from rlkit.trainer import PreferenceTrainer, Trainer, TrainingClient
+from rlkit.workers.primitives import AdamStep
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamStep",
     "AgentConfig",
     "CheckpointConfig",
     "ConfigError",
     "CriticConfig",
     "DPOConfig",
     "DataConfig",
+    "Datum",
     "FSDPConfig",
     "GRPOConfig",
     "KTOConfig",
@@ -43,11 +48,13 @@ __all__ = [
     "OptimConfig",
     "PPOConfig",
     "PreferenceTrainer",
+    "PrimitivesConfig",
     "RewardModelConfig",
     "RewardSpec",
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "Trainer",
+    "TrainingClient",
     "ValidationConfig",
     "launch",
 ]

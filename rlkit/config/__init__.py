@@ -24,6 +24,7 @@ from rlkit.config.data import (
 from rlkit.config.lora import LoraConfig
 from rlkit.config.outputs import default_output_dir, to_toml
 from rlkit.config.preference import DPOConfig, KTOConfig, PreferenceConfig
+from rlkit.config.primitives import PrimitivesConfig
 from rlkit.config.readers import config_from_dict, config_from_toml
 from rlkit.config.run import RLConfig
 from rlkit.config.sections import (
@@ -56,6 +57,7 @@ __all__ = [
     "PreferenceConfig",
     "PreferenceDataConfig",
     "PreferenceValidationConfig",
+    "PrimitivesConfig",
     "RLConfig",
     "RewardSpec",
     "RewardModelConfig",

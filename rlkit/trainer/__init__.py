@@ -4,6 +4,7 @@ Nothing here runs on the workers: the rank-side roles are in rlkit.workers.
 """
 
 from rlkit.trainer.preference import PreferenceTrainer
+from rlkit.trainer.primitives import TrainingClient
 from rlkit.trainer.trainer import Trainer
 
-__all__ = ["PreferenceTrainer", "Trainer"]
+__all__ = ["PreferenceTrainer", "Trainer", "TrainingClient"]

@@ -1,0 +1,217 @@
+"""The controller of Tinker's primitives on a launched cluster: a LoRA training client whose calls return futures.
+
+Example:
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(model="tiny"))
+    fb = client.forward_backward(data, "cross_entropy")       # a Future, at once
+    step = client.optim_step(rlkit.AdamStep(learning_rate=1e-4))
+    fb.result().loss, step.result().grad_norm
+    client.save_weights_for_sampler().result()
+    client.sample(prompt_tokens, num_samples=4, max_tokens=16).result()[0].tokens
+    client.memory(), client.grad_norms(), client.rollouts()
+
+One thread runs the calls in the order they were made (Tinker's ``seq_id`` order), so ``forward_backward`` and
+``optim_step`` can be queued without waiting and ``sample`` sees the weights of the last
+``save_weights_for_sampler`` queued before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import pandas as pd
+import torch
+
+from rlkit import diagnostics
+from rlkit.config.primitives import PrimitivesConfig
+from rlkit.data.datum import Datum, datum_problems, pad_data
+from rlkit.models import load_tokenizer, resolve_model_dir
+from rlkit.rollout import SamplingParams
+from rlkit.runtime import PerRank, RoleGroup, RoleOwner
+from rlkit.runtime.cluster import Cluster
+from rlkit.workers.primitives import AdamStep, OptimResult, PrimitivesWorker
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class ForwardBackwardOutput:
+    """A ``forward``/``forward_backward`` over all ranks (Tinker's ForwardBackwardOutput)."""
+
+    logprobs: list[torch.Tensor]
+    """One [N] float32 tensor per datum, in the order given: the learner's log-probs of its target tokens."""
+    metrics: dict[str, float]
+    """``loss:sum``: the loss, a sum over every token of every datum."""
+
+    @property
+    def loss(self) -> float:
+        return self.metrics["loss:sum"]
+
+
+@dataclass
+class SampledSequence:
+    """One completion (Tinker's SampledSequence)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    """The sampler's log-probs of ``tokens``."""
+    stop_reason: str
+    """"stop" (end-of-text) or "length"."""
+
+
+@dataclass
+class _SampleRecord:
+    prompt: list[int]
+    sequences: list[SampledSequence]
+    trainer_logprobs: list[torch.Tensor] = field(default_factory=list)
+    sampler_step: int = 0
+    trainer_step: int = 0
+
+
+class TrainingClient:
+    """A LoRA training client on ``cluster``: :class:`~rlkit.workers.primitives.PrimitivesWorker` on every rank."""
+
+    def __init__(self, cluster: Cluster, config: PrimitivesConfig | None = None):
+        self.config = config if config is not None else PrimitivesConfig()
+        self.cluster = cluster
+        self.model_dir = resolve_model_dir(self.config.model)
+        self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=self.config.trust_remote_code)
+        self.owner = RoleOwner("TrainingClient", hint="Build a new rlkit.TrainingClient to train again.")
+        self._role = RoleGroup(cluster, PrimitivesWorker, self.config, str(self.model_dir), owner=self.owner)
+        self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlkit-primitives")
+        self._samples: list[_SampleRecord] = []
+        self._step = 0
+        self._sampler_step = 0
+
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
+        return self._queue.submit(fn)
+
+    # -- the primitives ---------------------------------------------------------------------------
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+    ) -> Future[ForwardBackwardOutput]:
+        """Queue the loss of ``data`` (Tinker's ``loss_fn``: a sum over tokens) and its backward; gradients add up
+        until :meth:`optim_step`. Bad data is refused here, every problem at once."""
+        self._check(data, loss_fn)
+        return self._submit(lambda: self._forward(data, loss_fn, loss_fn_config, backward=True))
+
+    def forward(self, data: Sequence[Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float] | None = None) -> Future[ForwardBackwardOutput]:  # fmt: skip
+        """As :meth:`forward_backward`, without the backward."""
+        self._check(data, loss_fn)
+        return self._submit(lambda: self._forward(data, loss_fn, loss_fn_config, backward=False))
+
+    def optim_step(self, adam: AdamStep | None = None) -> Future[OptimResult]:
+        """Queue one AdamW step on the gradients accumulated since the last one."""
+        adam = adam if adam is not None else AdamStep()
+        return self._submit(lambda: self._optim_step(adam))
+
+    def save_weights_for_sampler(self) -> Future[int]:
+        """Queue the sync of the actor's weights into the sampler: every later :meth:`sample` uses the weights of
+        all optimizer steps queued before this call. The result: tensors each engine loaded."""
+        return self._submit(self._sync)
+
+    def sample(self, prompt: Sequence[int], num_samples: int = 1, *, max_tokens: int = 16, temperature: float = 1.0,
+               top_p: float = 1.0, seed: int | None = None) -> Future[list[SampledSequence]]:  # fmt: skip
+        """Queue ``num_samples`` completions of ``prompt`` (token ids) with the sampler's weights (those of the last
+        :meth:`save_weights_for_sampler`). The trainer's log-probs of each completion are kept for :meth:`rollouts`."""
+        problems = []
+        if not 1 <= len(prompt) <= self.config.max_prompt_tokens:
+            problems.append(f"prompt of {len(prompt)} tokens: give 1 to max_prompt_tokens="
+                            f"{self.config.max_prompt_tokens}")  # fmt: skip
+        if not 1 <= num_samples <= self.config.max_samples:
+            problems.append(f"num_samples={num_samples}: give 1 to max_samples={self.config.max_samples}")
+        if max_tokens < 1 or temperature <= 0 or not 0 < top_p <= 1:
+            problems.append(f"max_tokens={max_tokens}, temperature={temperature}, top_p={top_p}: need max_tokens >= 1,"
+                            " temperature > 0, 0 < top_p <= 1")  # fmt: skip
+        if problems:
+            raise ValueError("sample: " + "; ".join(problems))
+        params = SamplingParams(n=num_samples, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                seed=self.config.seed if seed is None else seed)  # fmt: skip
+        return self._submit(lambda: self._sample(list(prompt), params))
+
+    # -- diagnostics (after the queued calls) -----------------------------------------------------
+
+    def memory(self) -> pd.DataFrame:
+        """Each rank's memory at the marks since the last optimizer step began (forward_backward, optimizer_step,
+        weight_sync, rollout), broken down by what holds it."""
+        return self._submit(lambda: diagnostics.memory_table(self._role.call(PrimitivesWorker.memory_marks))).result()
+
+    def grad_norms(self) -> diagnostics.GradNorms:
+        """The last optimizer step's per-rank, per-unit gradient norms, the true global norm and disagreements."""
+        reports = self._submit(lambda: self._role.call(PrimitivesWorker.grad_report)).result()
+        if any(r is None for r in reports):
+            raise RuntimeError("no optimizer step has run yet: call client.optim_step() first")
+        return diagnostics.grad_norms([r for r in reports if r is not None])
+
+    def rollouts(self) -> pd.DataFrame:
+        """Every sampled completion: prompt and completion text, stop reason, length, and the mean gap between the
+        sampler's and the trainer's log-probs of its tokens (near 0 when the trainer is at the sampler's step)."""
+        rows = []
+        for record in self._submit(lambda: list(self._samples)).result():
+            for seq, trainer in zip(record.sequences, record.trainer_logprobs, strict=True):
+                gap = (torch.tensor(seq.logprobs) - trainer).abs()
+                rows.append({"prompt": self.tokenizer.decode(record.prompt), "completion": self.tokenizer.decode(
+                    seq.tokens), "stop_reason": seq.stop_reason, "length": len(seq.tokens),
+                    "logprob_gap/mean": float(gap.mean()) if len(gap) else 0.0, "sampler_step": record.sampler_step,
+                    "trainer_step": record.trainer_step})  # fmt: skip
+        return pd.DataFrame(rows)
+
+    def close(self) -> None:
+        """Finish the queued calls; the roles stay on the cluster until another owner replaces them."""
+        self._queue.shutdown(wait=True)
+
+    # -- on the queue's thread --------------------------------------------------------------------
+
+    def _check(self, data: Sequence[Datum], loss_fn: str) -> None:
+        problems = datum_problems(data, loss_fn)
+        if problems:
+            raise ValueError(f"{len(problems)} problem(s) in the data:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    def _forward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
+                 backward: bool) -> ForwardBackwardOutput:  # fmt: skip
+        """Equal consecutive shares of the data on the ranks (the last ones padded with empty rows)."""
+        world = self.cluster.world_size
+        share = -(-len(data) // world)
+        rows = pad_data(data, loss_fn, share * world)
+        shares = [rows.rows(r * share, (r + 1) * share) for r in range(world)]
+        config = dict(loss_fn_config) if loss_fn_config is not None else None
+        results = self._role.call(PrimitivesWorker.forward_backward, PerRank(shares), loss_fn, config, backward)
+        logprobs = [lp for result in results for lp in result.logprobs]
+        return ForwardBackwardOutput(logprobs=logprobs, metrics={"loss:sum": sum(r.loss_sum for r in results)})
+
+    def _optim_step(self, adam: AdamStep) -> OptimResult:
+        result = self._role.call(PrimitivesWorker.optim_step, adam)[0]
+        self._step = result.step
+        return result
+
+    def _sync(self) -> int:
+        loaded = self._role.call(PrimitivesWorker.sync_engine)[0]
+        self._sampler_step = self._step
+        return loaded
+
+    def _sample(self, prompt: list[int], params: SamplingParams) -> list[SampledSequence]:
+        world = self.cluster.world_size
+        prompts = [torch.tensor([prompt])] + [torch.zeros(0, len(prompt), dtype=torch.long)] * (world - 1)
+        rows = self._role.call(PrimitivesWorker.sample, PerRank(prompts), params)[0]
+        sequences = []
+        for i, reason in enumerate(rows.finish_reason):
+            n = int(rows.response_mask[i].sum())
+            sequences.append(SampledSequence(tokens=rows.response_ids[i, :n].tolist(),
+                                             logprobs=rows.logprobs[i, :n].tolist(), stop_reason=reason))  # fmt: skip
+        scored = self._forward([_scoring_datum(prompt, s.tokens) for s in sequences], "cross_entropy", None, False)
+        trainer = [lp[len(prompt) - 1:] for lp in scored.logprobs]
+        self._samples.append(_SampleRecord(prompt, sequences, trainer, self._sampler_step, self._step))
+        return sequences
+
+
+def _scoring_datum(prompt: list[int], completion: list[int]) -> Datum:
+    """The datum whose log-probs from position len(prompt) - 1 on are those of ``completion`` after ``prompt``."""
+    full = prompt + completion
+    return Datum(tokens=full[:-1], loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)})

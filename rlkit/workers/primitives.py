@@ -1,0 +1,180 @@
+"""Runs on every rank: Tinker's primitives on the FSDP actor with LoRA adapters and a rollout engine.
+
+The controller (:class:`rlkit.TrainingClient`) calls these through :class:`rlkit.runtime.RoleGroup`, one call at a
+time in the order they were queued. Gradients accumulate over ``forward_backward`` calls until ``optim_step``; the
+engine samples the weights of the last ``sync_engine`` (Tinker's ``save_weights_for_sampler``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlkit import diagnostics
+from rlkit.algos.tinker_losses import tinker_token_loss
+from rlkit.config import OptimConfig
+from rlkit.config.primitives import PrimitivesConfig
+from rlkit.data.datum import DatumRows
+from rlkit.fsdp import param_dtype
+from rlkit.models import load_tokenizer
+from rlkit.models.logprobs import token_logprobs
+from rlkit.rollout import SamplingParams, build_engine
+from rlkit.workers.actor import ActorRole
+from rlkit.workers.lora import engine_weights
+
+
+@dataclass(kw_only=True)
+class AdamStep:
+    """One optimizer step's hyperparameters (Tinker's AdamParams): AdamW with decoupled weight decay."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    """Clip the true global gradient norm to this; 0: no clip."""
+
+
+@dataclass(kw_only=True)
+class ForwardResult:
+    """One rank's share of a ``forward``/``forward_backward``."""
+
+    logprobs: list[torch.Tensor]
+    """One [N] float32 tensor per datum of this rank: the learner's log-probs of its ``target_tokens``."""
+    loss_sum: float
+    """The sum of this rank's per-token losses."""
+
+
+@dataclass(kw_only=True)
+class OptimResult:
+    """What an optimizer step did (the same on every rank)."""
+
+    grad_norm: float
+    """The true global gradient norm before clipping."""
+    step: int
+    """Optimizer steps taken so far."""
+
+
+@dataclass(kw_only=True)
+class SampledRows:
+    """``n`` completions of one prompt from this rank's engine (none on ranks given no prompt)."""
+
+    response_ids: torch.Tensor
+    """[n, T] int64, padded after the end."""
+    response_mask: torch.Tensor
+    """[n, T] float32, 1 on generated tokens."""
+    logprobs: torch.Tensor
+    """[n, T] float32, the engine's log-probs of the sampled tokens (0 past the end)."""
+    finish_reason: list[str] = field(default_factory=list)
+    """"stop" or "length" per completion."""
+
+
+class PrimitivesWorker(ActorRole):
+    """One rank's share of a Tinker-style training client: the LoRA actor and AdamW, and a whole rollout engine."""
+
+    def __init__(self, config: PrimitivesConfig, model_dir: str | Path):
+        super().__init__(
+            model_dir,
+            seed=config.seed,
+            fsdp=config.fsdp,
+            optim=OptimConfig(lr=1e-4, max_grad_norm=0.0),  # each optim_step sets its own hyperparameters
+            optimizer_steps=1,
+            reference=False,
+            trust_remote_code=config.trust_remote_code,
+            lora=config.lora,
+        )
+        self.config = config
+        tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
+        self.engine = build_engine(
+            config.rollout,
+            self.model_dir,
+            device=self.device,
+            dtype=param_dtype(config.fsdp, self.device.type),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            max_num_seqs=config.max_samples,
+            max_prompt_tokens=config.max_prompt_tokens,
+            seed=config.seed,
+            trust_remote_code=config.trust_remote_code,
+            adapters=self.lora if config.rollout.lora_sync == "adapter" else None,
+        )
+        engine_model = getattr(self.engine, "model", None)
+        self.memory = self._memory_tracker(engine_model if isinstance(engine_model, torch.nn.Module) else None)
+        self.pending = 0
+        """``forward_backward`` calls whose gradients wait for the next optimizer step."""
+        self.steps = 0
+        self.sync_engine()  # the engine starts with the actor's own adapters
+
+    def forward_backward(
+        self, rows: DatumRows, loss_fn: str, loss_fn_config: Mapping[str, float] | None, backward: bool
+    ) -> ForwardResult:
+        """Tinker's loss of this rank's rows [b, N] (a sum over tokens), its backward with ``backward`` (gradients add
+        to those of earlier calls; FSDP sums them over ranks), and each datum's target log-probs."""
+        if backward and self.pending == 0:
+            self.memory.reset()
+        rows = rows.to(self.device)
+        with torch.set_grad_enabled(backward):
+            logprobs = self._target_logprobs(rows)
+            loss = tinker_token_loss(loss_fn, logprobs, rows.inputs, rows.mask, loss_fn_config).sum()
+            if backward:
+                loss.backward()
+                self.pending += 1
+                self.memory.mark("forward_backward")
+        kept = [logprobs[i, :n].detach().cpu() for i, n in enumerate(rows.lengths) if n > 0]
+        return ForwardResult(logprobs=kept, loss_sum=float(loss.detach()))
+
+    def _target_logprobs(self, rows: DatumRows) -> torch.Tensor:
+        """[b, N] log-probs (temperature 1) of ``rows.target_tokens`` under the actor; 0 on padding."""
+        mask = rows.mask.long()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.actor.model(input_ids=rows.input_ids, attention_mask=mask, position_ids=positions,
+                                  use_cache=False).logits  # fmt: skip
+        return token_logprobs(logits, rows.target_tokens, 1.0) * rows.mask
+
+    def optim_step(self, adam: AdamStep) -> OptimResult:
+        """One AdamW step with ``adam``'s hyperparameters on the accumulated gradients, then zero them; the gradient
+        report of ``grad_norms()`` is this step's."""
+        for group in self.actor.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)  # fmt: skip
+        self.actor.scheduler.base_lrs = [adam.learning_rate] * len(self.actor.optimizer.param_groups)
+        report = diagnostics.grad_report(self.actor.model)
+        norm = self.actor.clip_and_step(adam.grad_clip_norm)
+        self.actor.optimizer.zero_grad(set_to_none=True)
+        self.memory.mark("optimizer_step")
+        self.steps += 1
+        self.pending = 0
+        self.grads = dataclasses.replace(report, global_norm=norm)
+        return OptimResult(grad_norm=norm, step=self.steps)
+
+    def sync_engine(self) -> int:
+        """The actor's adapters (or merged weights: ``rollout.lora_sync``) into this rank's engine; the count loaded."""
+        count = self.engine.load_weights(engine_weights(self.actor.model, self.lora, self.config.rollout.lora_sync))
+        self.memory.mark("weight_sync")
+        return count
+
+    def sample(self, prompt_ids: torch.Tensor, params: SamplingParams) -> SampledRows:
+        """``params.n`` completions of ``prompt_ids`` [1, P] ([0, P]: nothing, on the ranks that do not sample)."""
+        width = params.max_new_tokens
+        if len(prompt_ids) == 0:
+            empty = torch.zeros(0, width)
+            return SampledRows(response_ids=empty.long(), response_mask=empty, logprobs=empty)
+        ids = prompt_ids.to(self.device)
+        gen = self.engine.generate(ids, torch.ones_like(ids), params)
+        self.engine.sleep()
+        self.memory.mark("rollout")
+        return SampledRows(response_ids=gen.response_ids.cpu(), response_mask=gen.response_mask.cpu(),
+                           logprobs=gen.logprobs.cpu(), finish_reason=gen.finish_reason)  # fmt: skip
+
+    def others(self) -> dict[str, torch.nn.Module]:
+        engine = getattr(self.engine, "model", None)
+        return {"engine": engine} if isinstance(engine, torch.nn.Module) else {}
+
+    def close(self) -> None:
+        super().close()
+        self.engine.close()

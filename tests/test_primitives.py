@@ -1,0 +1,149 @@
+"""rlkit.TrainingClient (Tinker's primitives) on 2 gloo ranks against a one-process reference in plain torch: the
+losses, per-datum log-probs and the adapters after AdamW equal the reference's; the sampler samples the saved
+weights, and its log-probs of the sampled tokens are the trainer's."""
+
+import pytest
+import torch
+
+import rlkit
+from rlkit.models import load_causal_lm, resolve_model_dir
+from rlkit.models.lora import apply_lora, is_adapter_param
+
+pytest.importorskip("peft")
+
+LORA = rlkit.LoraConfig(rank=4, alpha=8.0)
+ADAM = rlkit.AdamStep(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5)
+
+
+def start_adapters() -> dict[str, torch.Tensor]:
+    """Adapters with B != 0 (a fresh B is 0, which leaves A's first gradient 0), by parameter name."""
+    model = apply_lora_model()
+    gen = torch.Generator().manual_seed(3)
+    return {n: 0.1 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def apply_lora_model() -> torch.nn.Module:
+    model = load_causal_lm(resolve_model_dir("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+    apply_lora(model, LORA)
+    return model
+
+
+def data() -> tuple[list[rlkit.Datum], list[rlkit.Datum]]:
+    """Three cross-entropy and three importance-sampling data of different lengths (3 rows: rank 1 gets padding)."""
+    gen = torch.Generator().manual_seed(5)
+    ce, is_ = [], []
+    for n in (7, 5, 9):
+        seq = torch.randint(3, 200, (n + 1,), generator=gen).tolist()
+        weights = [0.0] * 2 + torch.rand(n - 2, generator=gen).tolist()
+        ce.append(rlkit.Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": seq[1:], "weights": weights}))
+        sampled = (-3 * torch.rand(n, generator=gen)).tolist()
+        advantages = [0.0] * 2 + torch.randn(n - 2, generator=gen).tolist()
+        is_.append(rlkit.Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": seq[1:], "logprobs": sampled,
+                                                                "advantages": advantages}))  # fmt: skip
+    return ce, is_
+
+
+def reference_logprobs(model: torch.nn.Module, datum: rlkit.Datum) -> torch.Tensor:
+    """[N] log-probs of the datum's targets, one sequence at a time (no padding)."""
+    logits = model(input_ids=torch.tensor([list(datum.tokens)])).logits[0]
+    targets = torch.tensor(datum.loss_fn_inputs["target_tokens"])
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+
+
+def reference_step() -> dict:
+    """Tinker's definitions in plain torch: both losses' sums, their gradients added, AdamW(clip 0.5) once."""
+    model = apply_lora_model()
+    model.load_state_dict(start_adapters(), strict=False)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ce, is_ = data()
+    ce_logp = [reference_logprobs(model, d) for d in ce]
+    ce_loss = sum(-(torch.tensor(d.loss_fn_inputs["weights"]) * lp).sum() for d, lp in zip(ce, ce_logp, strict=True))
+    is_logp = [reference_logprobs(model, d) for d in is_]
+    is_loss = sum(-(torch.exp(lp - torch.tensor(d.loss_fn_inputs["logprobs"])) * torch.tensor(
+        d.loss_fn_inputs["advantages"])).sum() for d, lp in zip(is_, is_logp, strict=True))  # fmt: skip
+    (ce_loss + is_loss).backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(trained.values()), ADAM.grad_clip_norm)
+    torch.optim.AdamW(trained.values(), lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
+                      weight_decay=ADAM.weight_decay).step()  # fmt: skip
+    return {"ce_loss": ce_loss.item(), "is_loss": is_loss.item(), "norm": norm.item(),
+            "ce_logp": [lp.detach() for lp in ce_logp], "is_logp": [lp.detach() for lp in is_logp],
+            "adapters": {n: p.detach().clone() for n, p in trained.items()}}  # fmt: skip
+
+
+def set_adapters(adapters: dict[str, torch.Tensor]) -> None:
+    """On a worker: the actor's adapters from full tensors, then the sampler's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from rlkit.runtime import local_instance
+    from rlkit.workers.primitives import PrimitivesWorker
+
+    worker = local_instance(PrimitivesWorker)
+    set_model_state_dict(worker.actor.model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
+    worker.sync_engine()
+
+
+def actor_adapters() -> dict[str, torch.Tensor]:
+    """On a worker: the actor's full adapters (a collective)."""
+    from rlkit.fsdp import iter_full_params
+    from rlkit.runtime import local_instance
+    from rlkit.workers.primitives import PrimitivesWorker
+
+    return {n: t.clone() for n, t in iter_full_params(local_instance(PrimitivesWorker).actor.model, is_adapter_param)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = rlkit.launch(world_size=2, device="cpu")
+    yield cluster
+    cluster.shutdown()
+
+
+def test_forward_backward_and_optim_step_equal_the_one_process_reference(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    ce, is_ = data()
+    ce_future = client.forward_backward(ce, "cross_entropy")  # queued: nothing waits until .result()
+    is_future = client.forward_backward(is_, "importance_sampling")
+    step = client.optim_step(ADAM).result()
+    ref = reference_step()
+    assert ce_future.result().loss == pytest.approx(ref["ce_loss"], rel=1e-5)
+    assert is_future.result().loss == pytest.approx(ref["is_loss"], rel=1e-5)
+    for got, expected in zip(ce_future.result().logprobs + is_future.result().logprobs,
+                             ref["ce_logp"] + ref["is_logp"], strict=True):  # fmt: skip
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert step.grad_norm == pytest.approx(ref["norm"], rel=1e-5) and step.grad_norm > ADAM.grad_clip_norm
+    got = cluster.run(actor_adapters)[0]
+    assert got.keys() == ref["adapters"].keys()
+    start = start_adapters()
+    for name, expected in ref["adapters"].items():
+        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+        assert not torch.allclose(expected, start[name]), f"{name}: the step did not move it"
+    norms = client.grad_norms()
+    assert norms.global_norm == pytest.approx(ref["norm"], rel=1e-5)
+    assert {"forward_backward", "optimizer_step"} <= set(client.memory()["phase"])
+
+
+def test_the_sampler_samples_the_saved_weights_with_the_trainers_log_probs(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    prompt = [5, 17, 42, 9]
+    before = client.sample(prompt, 3, max_tokens=6, seed=1)
+    ce, _ = data()
+    client.forward_backward(ce, "cross_entropy")
+    client.optim_step(ADAM)
+    unsaved = client.sample(prompt, 3, max_tokens=6, seed=1)  # the optimizer step is not saved for the sampler
+    client.save_weights_for_sampler()
+    after = client.sample(prompt, 3, max_tokens=6, seed=1).result()
+    assert [s.tokens for s in unsaved.result()] == [s.tokens for s in before.result()]
+    assert [s.logprobs for s in unsaved.result()] == [s.logprobs for s in before.result()]
+    assert [s.logprobs for s in after] != [s.logprobs for s in before.result()]
+    for seq in after:  # the trainer's log-probs of the sampled tokens, now that it is at the sampler's step
+        full = prompt + seq.tokens
+        weights = [1.0] * (len(full) - 1)
+        datum = rlkit.Datum(tokens=full[:-1], loss_fn_inputs={"target_tokens": full[1:], "weights": weights})
+        trainer = client.forward([datum], "cross_entropy").result().logprobs[0][len(prompt) - 1:]
+        torch.testing.assert_close(trainer, torch.tensor(seq.logprobs), rtol=1e-4, atol=1e-4)
+    table = client.rollouts()
+    assert len(table) == 9 and list(table["sampler_step"]) == [0] * 6 + [1] * 3
+    assert (table["logprob_gap/mean"].iloc[6:] < 1e-4).all()  # sampler and trainer at the same step
+    assert (table["logprob_gap/mean"].iloc[3:6] > 1e-3).all()  # the trainer moved on, the sampler did not
