@@ -70,7 +70,7 @@ class RolloutCorrectionConfig:
     mask: str = "none"
     """Rejection (MIS / ICEPOP): tokens ("token") or whole sequences ("sequence": the product ratio; "geometric":
     the geometric mean) whose ratio leaves [mask_low, mask_high] get weight 0 (verl ``rollout_rs`` "token_k1",
-    "seq_sum_k1", "seq_mean_k1", which replaced "token", "sequence", "geometric" in verl #4511; TRL "*_mask";
+    "seq_sum_k1", "seq_mean_k1", which replaced "token", "sequence", "geometric" in verl #4511; TRL ``"*_mask"``;
     OpenRLHF ``icepop`` and ``seq-mask-tis``). The loss's token and sequence
     counts keep them (TRL's, OpenRLHF's and NeMo-RL's convention; verl's drops them from the counts)."""
     mask_low: float = 0.5
