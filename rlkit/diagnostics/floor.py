@@ -3,8 +3,8 @@
 The gap is mean ``|trainer - engine|`` per token; the floor is mean ``|trainer - reference|`` over the same
 tokens, where the reference is the trainer's own weights in the engine's arithmetic (the hf engine: a copy of its
 model holding the trainer's weights, so an honest engine sits at the floor to ~1e-7; vLLM: the trainer's forward
-in the other layout, under autocast to the engine's dtype where that is lower). A gap is within the floor when two figures
-are each within their tolerance, :data:`Z` standard errors measured over the rows (the rows are the independent
+in the other layout, under autocast to the engine's dtype where that is lower). A gap is within the floor when two
+figures are each within their tolerance, :data:`Z` standard errors measured over the rows (the rows are the independent
 draws; their tokens are not) plus :data:`FLOAT_NOISE`:
 
 - the excess of the gap over the floor, mean ``|trainer - engine|`` - mean ``|trainer - reference|``, against the
