@@ -40,11 +40,12 @@ def _parse(directive: SphinxDirective, lines: list[str]) -> list:
     return holder.children
 
 
-def _setting_lines(s: Setting) -> list[str]:
+def _setting_lines(config: str, s: Setting) -> list[str]:
+    """A setting's block, with a label to link to, e.g. ``grpoconfig.rollout.temperature``."""
     where = f"{s.table}.{s.name}" if s.table else s.name
     doc = s.doc.splitlines() or ["(no doc)"]
     return [
-        f".. _setting-{where}:",
+        f".. _{config.rpartition('.')[2].lower()}.{where}:",
         "",
         f"``{s.name}`` : ``{s.type}`` = ``{s.default}``",
         *(f"   {line}" for line in doc),
@@ -69,7 +70,7 @@ class SettingsDirective(SphinxDirective):
             title = f"``[{table}]``" if table else "Top level"
             lines += [".. rubric:: " + title, "", ".. container:: rlkit-settings", ""]
             for s in (s for s in shown if s.table == table):
-                lines += [f"   {line}" if line else "" for line in _setting_lines(s)]
+                lines += [f"   {line}" if line else "" for line in _setting_lines(self.arguments[0], s)]
         return _parse(self, lines)
 
 

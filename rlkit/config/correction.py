@@ -90,7 +90,12 @@ class RolloutCorrectionConfig:
     @classmethod
     def preset(cls, name: str, **overrides: object) -> RolloutCorrectionConfig:
         """A peer's recipe at its defaults (one of :data:`CORRECTION_PRESETS`), with ``overrides`` on top: e.g.
-        ``preset("trl_sequence_mask", mask_high=2.0)`` is TRL's ``vllm_importance_sampling_clip_max=2.0``."""
+        ``preset("trl_sequence_mask", mask_high=2.0)`` is TRL's ``vllm_importance_sampling_clip_max=2.0``.
+
+        Example:
+            >>> RolloutCorrectionConfig.preset("icepop").summary()
+            'weight=token [0, inf], mask=token [0.5, 5]'
+        """
         return cls(**{**_preset_settings(name), **overrides})  # type: ignore[arg-type]
 
     def summary(self) -> str:
