@@ -24,7 +24,7 @@ extensions = [
     "sphinx.ext.viewcode",
     "rlkit_docs",
 ]
-exclude_patterns = ["_build", "notebooks/.ipynb_checkpoints", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "**/.ipynb_checkpoints", "BENCHMARKS.md"]  # BENCHMARKS: included by benchmarks.md
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb", ".rst": "restructuredtext"}
 
 # Strict: every reference to rlkit must resolve. Other libraries' names (torch, pandas, builtins) are not linked:
@@ -51,6 +51,7 @@ napoleon_custom_sections = [("Returns", "params_style")]  # "name: what" lines a
 
 html_theme = "pydata_sphinx_theme"
 html_title = "rlkit"
+html_logo = "_static/logo.svg"
 html_static_path = ["_static"]
 html_css_files = ["rlkit.css"]
 html_theme_options = {
