@@ -148,7 +148,10 @@ FAST_MODULES = {
     "test_docstrings.py",  # the API reference's examples
 }  # fmt: skip
 TOO_SLOW_FOR_FAST = {  # seconds each took in the fast run on 2 shared cores
-    "test_each_run_keeps_everything_in_its_folder",  # 163
+    "test_each_run_keeps_everything_in_its_folder",  # 163: test_cli's `runs` fixture, three `rlkit train` runs
+    "test_steps_print_one_compact_line_each_with_every_reward_term",  # the same fixture
+    "test_a_vllm_run_prints_a_line_per_step_and_keeps_vllm_in_the_rank_log",  # the same fixture
+    "test_dpo_scores_its_held_out_pairs_before_training_and_every_two_steps",  # the same fixture
     "test_a_killed_run_resumes_into_the_same_folder_and_matches_the_uninterrupted_one",  # 56
     "test_kill_during_save_leaves_previous_checkpoint_usable",  # 37
     "test_loss_path_peak_matches_the_estimate",  # 24
