@@ -39,9 +39,9 @@ def test_the_settings_are_every_field_of_every_section(config):
 def test_a_setting_reads_its_type_default_doc_and_section():
     by_name = {(s.table, s.name): s for s in settings(PPOConfig)}
     turn = by_name[("agent", "max_turn_tokens")]
-    assert (turn.type, turn.default) == ("int", "0") and "one model turn" in turn.doc
+    assert (turn.annotation, turn.default) == ("int", "0") and "one model turn" in turn.doc
     assert by_name[("", "rollout")].default == "[rollout]"
-    assert by_name[("", "clip_high")].type == "float | None"
+    assert by_name[("", "clip_high")].annotation == "float | None"
     assert by_name[("", "advantage")].default == "'gae'", "PPOConfig's own default, not RLConfig's"
     assert by_name[("critic.lora", "rank")].table == "critic.lora"
     assert ("rewards", "function") in by_name, "the items of [[rewards]]"

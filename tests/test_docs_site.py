@@ -73,8 +73,8 @@ def open_page(browser, url: str):
 
 def check_renders(page, title: str, screenshot: str) -> None:
     assert title in page.title()
-    navigation = page.locator("nav.bd-docs-nav a.reference")
-    assert navigation.count() >= 5, "the sidebar navigation lists the site's pages"
+    navigation = page.locator(".bd-header nav a.nav-link, nav.bd-docs-nav a.reference")
+    assert navigation.count() >= 4, "the header's and the sidebar's navigation list the site's pages"
     assert page.locator("div.highlight pre").first.is_visible(), "a highlighted code block"
     images = page.locator("img")
     assert images.count() >= 1

@@ -47,7 +47,7 @@ def _setting_lines(config: str, s: Setting) -> list[str]:
     return [
         f".. _{config.rpartition('.')[2].lower()}.{where}:",
         "",
-        f"``{s.name}`` : ``{s.type}`` = ``{s.default}``",
+        f"``{s.name}`` : ``{s.annotation}`` = ``{s.default}``",
         *(f"   {line}" for line in doc),
         "",
     ]
@@ -125,15 +125,37 @@ def _restore_attribute_doc(app: Sphinx, what: str, name: str, obj: object, optio
         lines[:] = _ATTRIBUTE_DOCS.pop(name)
 
 
-def check_notebooks(app: Sphinx) -> None:
-    """Fail the build when a tutorial notebook in the site has no outputs (it was never executed)."""
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def _with_plotly_html(output: dict) -> bool:
+    """Put a plotly figure's HTML form (plotly.js inlined: the page fetches nothing) in place of its JSON, which
+    myst-nb has no renderer for; True if the output changed."""
+    data = output.get("data", {})
+    if PLOTLY not in data:
+        return False
+    import plotly.io
+
+    figure = plotly.io.from_json(json.dumps(data.pop(PLOTLY)))
+    data.setdefault("text/html", plotly.io.to_html(figure, include_plotlyjs=True, full_html=False))
+    return True
+
+
+def prepare_notebooks(app: Sphinx) -> None:
+    """Fail the build when a tutorial notebook in the site has no outputs (it was never executed); give plotly
+    figures an HTML form, which myst-nb renders (it has no renderer of plotly's own type)."""
     folder = Path(app.srcdir) / "notebooks"
     found = sorted(folder.glob("*.ipynb"))
     if not found:
         raise ExtensionError(f"no executed notebooks in {folder}: run `make docs` (it executes them once)")
-    bare = [p.name for p in found if not any(c.get("outputs") for c in json.loads(p.read_text())["cells"])]
+    notebooks = {path: json.loads(path.read_text()) for path in found}
+    bare = [p.name for p, nb in notebooks.items() if not any(c.get("outputs") for c in nb["cells"])]
     if bare:
         raise ExtensionError(f"notebooks without outputs in {folder}: {', '.join(bare)} (execute them: make docs)")
+    for path, notebook in notebooks.items():
+        changed = [_with_plotly_html(o) for cell in notebook["cells"] for o in cell.get("outputs", [])]
+        if any(changed):
+            path.write_text(json.dumps(notebook, indent=1))
 
 
 def use_this_checkouts_widgets() -> None:
@@ -153,7 +175,7 @@ def setup(app: Sphinx) -> dict:
     use_this_checkouts_widgets()
     app.add_directive("rlkit-settings", SettingsDirective)
     app.add_directive("rlkit-api", ApiDirective)
-    app.connect("builder-inited", check_notebooks)
+    app.connect("builder-inited", prepare_notebooks)
     app.connect("autodoc-process-docstring", _stash_attribute_doc, priority=400)  # before napoleon (500)
     app.connect("autodoc-process-docstring", _restore_attribute_doc, priority=600)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

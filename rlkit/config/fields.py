@@ -8,7 +8,7 @@ Example:
     >>> from rlkit.config import GRPOConfig
     >>> from rlkit.config.fields import settings
     >>> seed = next(s for s in settings(GRPOConfig) if s.name == "seed")
-    >>> seed.table, seed.type, seed.default
+    >>> seed.table, seed.annotation, seed.default
     ('', 'int', '0')
     >>> [s.table for s in settings(GRPOConfig) if s.name == "max_turn_tokens"]
     ['agent']
@@ -33,7 +33,7 @@ class Setting:
     """Its TOML table, dotted ("" for the top level, "rollout", "critic.lora"); ``[[rewards]]`` lists are
     "rewards"."""
     name: str
-    type: str
+    annotation: str
     """The annotation as written in the source, e.g. ``"float | None"``."""
     default: str
     """``repr`` of the default; a nested section's is its table, e.g. ``"[rollout]"``."""
@@ -41,6 +41,13 @@ class Setting:
     """The field's docstring, dedented; "" when it has none."""
     owner: type
     """The dataclass that declares the field."""
+
+
+def _docstring(node: ast.stmt | None) -> str:
+    """The string literal that ``node`` is, dedented, or ""."""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        return inspect.cleandoc(node.value.value)
+    return ""
 
 
 @cache
@@ -51,9 +58,7 @@ def _declared(cls: type) -> dict[str, tuple[str, str]]:
     found: dict[str, tuple[str, str]] = {}
     for node, after in zip(body, [*body[1:], None], strict=True):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-            doc = inspect.cleandoc(after.value.value) if is_doc and isinstance(after.value.value, str) else ""
-            found[node.target.id] = (ast.unparse(node.annotation), doc)
+            found[node.target.id] = (ast.unparse(node.annotation), _docstring(after))
     return found
 
 
