@@ -62,3 +62,4 @@ html_theme_options = {
     "secondary_sidebar_items": ["page-toc"],
 }
 html_show_sourcelink = False
+html_copy_source = False  # the notebooks' sources would double the site's size
