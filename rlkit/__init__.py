@@ -1,8 +1,10 @@
 """rlkit: notebook-first RL post-training of language models on PyTorch FSDP.
 
-cluster = rlkit.launch(world_size=2)
-trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny"))
-trainer.fit(steps=20)
+Example::
+
+    cluster = rlkit.launch(world_size=2)
+    trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny"))
+    trainer.fit(steps=20)
 """
 
 from rlkit.config import (

@@ -127,3 +127,44 @@ def cpu_cluster(_held_cluster):
     yield shared
     if not shared.closed:
         shared.run(_forget_roles)
+
+
+# `make test-fast` (pytest -m fast): a subset covering every package that runs in under 5 minutes on 2 CPU cores.
+# The modules below, less their slowest tests, which `make test` runs with everything else.
+FAST_MODULES = {
+    "test_algos.py", "test_algos_groups.py", "test_algos_losses.py", "test_algos_preference.py",  # algos
+    "test_correction.py", "test_objective.py",  # algos, workers
+    "test_config.py", "test_config_algos.py", "test_config_docs.py", "test_data_config.py",  # config
+    "test_batch.py", "test_data_sources.py", "test_verifiable.py", "test_named_rewards.py",  # data
+    "test_logprobs.py", "test_fused_head.py", "test_tiny_model.py",  # models
+    "test_fsdp.py", "test_checkpoint.py",  # fsdp
+    "test_rollout.py", "test_engine_parts.py",  # rollout
+    "test_runtime.py",  # runtime
+    "test_batches.py", "test_packing.py",  # workers
+    "test_trainer.py", "test_tracking.py",  # trainer, tracking
+    "test_widgets.py",  # widgets
+    "test_diagnostics.py", "test_estimate.py",  # diagnostics
+    "test_cli.py",  # cli
+    "test_docstrings.py",  # the API reference's examples
+}  # fmt: skip
+TOO_SLOW_FOR_FAST = {  # seconds each took in the fast run on 2 shared cores
+    "test_each_run_keeps_everything_in_its_folder",  # 163: test_cli's `runs` fixture, three `rlkit train` runs
+    "test_steps_print_one_compact_line_each_with_every_reward_term",  # the same fixture
+    "test_a_vllm_run_prints_a_line_per_step_and_keeps_vllm_in_the_rank_log",  # the same fixture
+    "test_dpo_scores_its_held_out_pairs_before_training_and_every_two_steps",  # the same fixture
+    "test_a_killed_run_resumes_into_the_same_folder_and_matches_the_uninterrupted_one",  # 56
+    "test_kill_during_save_leaves_previous_checkpoint_usable",  # 37
+    "test_loss_path_peak_matches_the_estimate",  # 24
+    "test_resume_is_exact",  # 19
+    "test_ranks_stuck_after_another_rank_failed_break_the_cluster",  # 12
+    "test_all_ranks_stuck_are_reported_after_call_timeout",  # 12
+    "test_rank_stuck_in_a_collective_is_reported_with_its_stack_within_hang_timeout",  # 11
+    "test_launch_replaces_earlier_cluster_and_shutdown_is_idempotent",  # 10
+    "test_workers_die_with_their_controller",  # 10
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in FAST_MODULES and getattr(item, "originalname", item.name) not in TOO_SLOW_FOR_FAST:
+            item.add_marker(pytest.mark.fast)

@@ -123,7 +123,7 @@ class RolloutView(View):
         return b.rollout_logprobs
 
     def top_mismatched(self, count: int = TOP_TOKENS) -> list[dict[str, object]]:
-        """The ``count`` response tokens with the largest |trainer - engine| log-prob: sample, position, token,
+        """The ``count`` response tokens with the largest ``|trainer - engine|`` log-prob: sample, position, token,
         engine and trainer log-probs, delta and ratio (empty before the trainer scored the rollout)."""
         b = self._shown()
         if b.old_logprobs is None:

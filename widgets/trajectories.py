@@ -93,7 +93,7 @@ def _turn_gap(batch: Batch, gap: torch.Tensor | None, i: int, turn: Turn) -> flo
 class TrajectoryView(RolloutView):
     """The trajectories of a multi-turn :class:`~rlkit.data.batch.Batch` (``trainer.last_batch`` or
     ``trainer.rollout()``), a few per page: each one's reward, advantage and finish reason, then its turns
-    (see :func:`turns_html`). ``colouring`` is one of :data:`~rlkit.widgets.rollouts.COLOURINGS`."""
+    (see :func:`turns_html`). ``colouring`` is one of ``rlkit.widgets.rollouts.COLOURINGS``."""
 
     title = "trajectories"
 

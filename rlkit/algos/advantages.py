@@ -91,6 +91,10 @@ def grpo_advantages(
 
     Returns:
         [B] advantages, float32.
+
+    Example:
+        >>> grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2)  # two groups of 2; equal rewards give 0
+        tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
     values, counts, sums, inverse = _group_totals(rewards, group, "GRPO")
     centred = values - sums / counts

@@ -148,8 +148,8 @@ def mismatch_metrics(delta: torch.Tensor, checked: torch.Tensor, *, log_ratio_cl
     """The engine-vs-trainer gap per checked token ([B, T] each), as step metrics (see the README's table):
     mismatch/kl_k1 (mean l_e - l_o, the k1 estimate of KL(engine || trainer), can be < 0), mismatch/kl_k3
     (mean rho - 1 - delta, >= 0), mismatch/chi2 (mean rho^2 - 1), mismatch/abs_delta/{mean,max} and the raw
-    ratio mismatch/ratio/{mean,max,min}; k3 and |delta| also per rank. delta is clamped to +-``log_ratio_clamp``
-    before every exp (k3, chi2, the ratio); k1 and |delta| are the raw gap."""
+    ratio mismatch/ratio/{mean,max,min}; k3 and ``|delta|`` also per rank. delta is clamped to +-``log_ratio_clamp``
+    before every exp (k3, chi2, the ratio); k1 and ``|delta|`` are the raw gap."""
     delta = delta.double()  # k3 and chi2 of gaps near 1e-6 cancel to noise in fp32
     clamped = delta.clamp(-log_ratio_clamp, log_ratio_clamp)  # what enters exp: k3, chi2 and the ratio
     ratio = torch.exp(clamped)
@@ -184,8 +184,8 @@ def correction_metrics(result: CorrectionWeights, checked: torch.Tensor) -> dict
 def mismatch_summary(
     old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, float]:
-    """One batch's gap statistics as plain numbers: tokens checked, k1, k3, chi2, the mean of exp|delta|
-    (NeMo-RL's token_mult_prob_error), |delta| mean and max, the raw ratio's mean, min and max, and its effective
+    """One batch's gap statistics as plain numbers: tokens checked, k1, k3, chi2, the mean of ``exp|delta|``
+    (NeMo-RL's token_mult_prob_error), ``|delta|`` mean and max, the raw ratio's mean, min and max, and its effective
     sample size 1 / mean((rho / mean rho)^2) in (0, 1] (1: the engine samples the trainer's distribution)."""
     delta, checked = engine_log_ratio(old_logprobs, rollout_logprobs, response_mask)
     d = delta[checked].double()

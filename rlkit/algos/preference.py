@@ -2,7 +2,7 @@
 
 Every input is a [B] tensor of *summed* token log-probs of a completion given its prompt, under the
 policy (with gradient) or the frozen reference. The implicit reward of a completion is
-beta * (log pi(y|x) - log pi_ref(y|x)); the metrics report it detached.
+``beta * (log pi(y|x) - log pi_ref(y|x))``; the metrics report it detached.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def kto_mismatched_pairs(n: int) -> torch.Tensor:
 
 
 def kto_kl_baseline(mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor) -> torch.Tensor:
-    """KTO's reference point z_ref = max(0, mean(log pi(y'|x) - log pi_ref(y'|x))) over mismatched pairs (x, y'),
+    """KTO's reference point ``z_ref = max(0, mean(log pi(y'|x) - log pi_ref(y'|x)))`` over mismatched pairs (x, y'),
     detached (the paper does not backpropagate through it). Shapes: [M] each; returns a scalar.
 
     Under data parallelism the mean must run over every rank's pairs (all-reduce the sum and the count)."""

@@ -17,6 +17,19 @@ class GRPOConfig(RLConfig):
     A completion's advantage is its reward against the other completions of
     its prompt: "grpo" (mean and std), "drgrpo" (mean only), "rloo"
     (leave-one-out); or "reinforce++" (batch-whitened returns). No critic.
+
+    Example:
+        >>> import rlkit
+        >>> config = rlkit.GRPOConfig(model="tiny", group_size=4, rollout=rlkit.RolloutConfig(max_new_tokens=32))
+        >>> config.samples_per_step  # prompts_per_step x group_size
+        64
+        >>> try:                     # every problem at once, each naming the setting and the fix
+        ...     rlkit.GRPOConfig(group_size=1, kl_coef=-1.0)
+        ... except rlkit.ConfigError as error:
+        ...     for problem in error.problems:
+        ...         print(problem)
+        group_size=1: must be >= 2 with advantage="grpo" (advantages compare samples in a group)
+        kl_coef=-1.0: must be >= 0 (0 disables the reference)
     """
 
     algorithm: ClassVar[str] = "grpo"

@@ -70,7 +70,7 @@ class RolloutCorrectionConfig:
     mask: str = "none"
     """Rejection (MIS / ICEPOP): tokens ("token") or whole sequences ("sequence": the product ratio; "geometric":
     the geometric mean) whose ratio leaves [mask_low, mask_high] get weight 0 (verl ``rollout_rs`` "token_k1",
-    "seq_sum_k1", "seq_mean_k1", which replaced "token", "sequence", "geometric" in verl #4511; TRL "*_mask";
+    "seq_sum_k1", "seq_mean_k1", which replaced "token", "sequence", "geometric" in verl #4511; TRL ``"*_mask"``;
     OpenRLHF ``icepop`` and ``seq-mask-tis``). The loss's token and sequence
     counts keep them (TRL's, OpenRLHF's and NeMo-RL's convention; verl's drops them from the counts)."""
     mask_low: float = 0.5
@@ -90,7 +90,12 @@ class RolloutCorrectionConfig:
     @classmethod
     def preset(cls, name: str, **overrides: object) -> RolloutCorrectionConfig:
         """A peer's recipe at its defaults (one of :data:`CORRECTION_PRESETS`), with ``overrides`` on top: e.g.
-        ``preset("trl_sequence_mask", mask_high=2.0)`` is TRL's ``vllm_importance_sampling_clip_max=2.0``."""
+        ``preset("trl_sequence_mask", mask_high=2.0)`` is TRL's ``vllm_importance_sampling_clip_max=2.0``.
+
+        Example:
+            >>> RolloutCorrectionConfig.preset("icepop").summary()
+            'weight=token [0, inf], mask=token [0.5, 5]'
+        """
         return cls(**{**_preset_settings(name), **overrides})  # type: ignore[arg-type]
 
     def summary(self) -> str:

@@ -71,7 +71,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     max_logprob_gap: float = 0.1
-    """Warn when the mean |trainer - engine| log-prob of the sampled tokens exceeds this (nats); a weight
+    """Warn when the mean ``|trainer - engine|`` log-prob of the sampled tokens exceeds this (nats); a weight
     sync that did not take shows up here. Same-precision engines stay near 1e-6 (fp32) or 1e-2 (bf16). 0: never."""
     gpu_memory_utilization: float = 0.5
     """vllm on GPU: fraction of the GPU's memory the engine may take for weights, activations and KV cache,

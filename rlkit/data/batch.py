@@ -119,7 +119,7 @@ class Batch:
         return checked if rows is None else checked & rows[:, None]
 
     def logprob_gap_tokens(self) -> torch.Tensor | None:
-        """[B, T] |trainer - rollout engine| log-prob of each sampled token (0 where masked or not checked), or
+        """[B, T] ``|trainer - rollout engine|`` log-prob of each sampled token (0 where masked or not checked), or
         None before the trainer scored the rollout. The engine sampled with the weights it holds and the trainer
         scores with its own, so a weight sync that did not take (or a precision mismatch) shows up here."""
         if self.old_logprobs is None:
@@ -204,7 +204,7 @@ class Batch:
         )
 
     def turns_frame(self) -> pd.DataFrame:
-        """One row per turn of every trajectory (multi-turn runs): see :func:`rlkit.data.trajectories.turns_frame`."""
+        """One row per turn of every trajectory (multi-turn runs): see ``rlkit.data.trajectories.turns_frame``."""
         if self.trajectories is None or self.turn_index is None:
             raise ValueError("this batch holds single-turn completions: it has no turns (run with tools or an "
                              "environment)")

@@ -13,7 +13,12 @@ import torch
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """1 - C(n-c, k) / C(n, k) for ``n`` samples, ``c`` correct, ``k <= n``."""
+    """1 - C(n-c, k) / C(n, k) for ``n`` samples, ``c`` correct, ``k <= n``.
+
+    Example:
+        >>> pass_at_k(4, 1, 2)  # one of 4 samples right: 2 draws find it half the time
+        0.5
+    """
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)

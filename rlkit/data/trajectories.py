@@ -64,7 +64,7 @@ class Trajectory:
     """The whole conversation: the prompt's messages, then assistant, tool and user (environment) messages."""
     turns: list[Turn]
     finish_reason: str
-    """One of :data:`rlkit.config.agent.FINISH_REASONS`."""
+    """One of ``rlkit.config.agent.FINISH_REASONS``."""
     error: str = ""
     """Why the environment failed ("env_error"), naming the trajectory and turn; "" when it did not."""
     drift: str = ""

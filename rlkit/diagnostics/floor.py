@@ -1,14 +1,14 @@
 """The floor a mismatch is held against, per rank and over all of them (plain data; pure functions).
 
-The gap is mean |trainer - engine| per token; the floor is mean |trainer - reference| over the same tokens, where
-the reference is the trainer's own weights in the engine's arithmetic (the hf engine: a copy of its model holding
-the trainer's weights, so an honest engine sits at the floor to ~1e-7; vLLM: the trainer's forward in the other
-layout, under autocast to the engine's dtype where that is lower). A gap is within the floor when two figures
-are each within their tolerance, :data:`Z` standard errors measured over the rows (the rows are the independent
+The gap is mean ``|trainer - engine|`` per token; the floor is mean ``|trainer - reference|`` over the same
+tokens, where the reference is the trainer's own weights in the engine's arithmetic (the hf engine: a copy of its
+model holding the trainer's weights, so an honest engine sits at the floor to ~1e-7; vLLM: the trainer's forward
+in the other layout, under autocast to the engine's dtype where that is lower). A gap is within the floor when two
+figures are each within their tolerance, :data:`Z` standard errors measured over the rows (the rows are the independent
 draws; their tokens are not) plus :data:`FLOAT_NOISE`:
 
-- the excess of the gap over the floor, mean |trainer - engine| - mean |trainer - reference|, against the spread
-  of the floor itself (an honest engine's gap varies as the floor does: the standard error of a difference of
+- the excess of the gap over the floor, mean ``|trainer - engine|`` - mean ``|trainer - reference|``, against the
+  spread of the floor itself (an honest engine's gap varies as the floor does: the standard error of a difference of
   two such means, sqrt(2) x the floor's). Not the excess's own spread: a far-off engine's gaps vary so much that
   a test against their own spread can call 1e5 x the floor noise;
 - the bias, mean (reference - engine), against its own spread: the engine's log-probs shifted one way from the
@@ -44,9 +44,9 @@ class Floor:
 
     tokens: int
     gap: float
-    """Mean |trainer - engine| log-prob per checked token (nats)."""
+    """Mean ``|trainer - engine|`` log-prob per checked token (nats)."""
     floor: float
-    """Mean |trainer - reference| over the same tokens."""
+    """Mean ``|trainer - reference|`` over the same tokens."""
     tolerance: float
     """The excess gap - floor allowed: Z x sqrt(2) x the floor's standard error over the rows + FLOAT_NOISE."""
     factor: float
@@ -54,7 +54,7 @@ class Floor:
     bias: float
     """Mean (reference - engine) log-prob per checked token."""
     bias_tolerance: float
-    """The |bias| allowed: Z x its standard error over the rows + FLOAT_NOISE."""
+    """The ``|bias|`` allowed: Z x its standard error over the rows + FLOAT_NOISE."""
     reference: str
     """How the reference was computed."""
     by_rank: pd.DataFrame

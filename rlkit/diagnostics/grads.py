@@ -43,7 +43,7 @@ class GradReport:
     loss: float | None
     """The loss this rank reports; pass one all ranks must agree on (e.g. all-reduced)."""
     global_norm: float | None
-    """The global gradient norm this rank computed (e.g. what clip_grad_norm_ returned)."""
+    """The global gradient norm this rank computed (e.g. what ``clip_grad_norm_`` returned)."""
     entries: list[GradEntry]
     checksums: dict[str, int] = field(default_factory=dict)
     """Fingerprints of replicated gradients and parameters ("grad:name", "param:name", see ``replica_key``)."""

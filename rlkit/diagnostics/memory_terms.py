@@ -118,7 +118,7 @@ class ModelShape:
 @dataclass(frozen=True, kw_only=True)
 class MemorySetting:
     """The knobs the estimate reads (rlkit's config names in brackets); build one from a config with
-    :func:`rlkit.diagnostics.preflight.memory_setting`."""
+    :func:`rlkit.diagnostics.memory_setting`."""
 
     device_memory_gib: float
     """Each device's memory (torch.cuda.get_device_properties(i).total_memory / 2**30; H200: 139.8, H100: 79.6)."""
@@ -134,8 +134,8 @@ class MemorySetting:
     """[fsdp.version]"""
     keep_unsharded: bool | None = None
     """Whether the update keeps FSDP's units gathered and its gradients unsharded through the micro-batches of
-    an optimizer step (:mod:`rlkit.fsdp.accumulate`); None: as rlkit decides, which the estimate resolves
-    (:attr:`~rlkit.diagnostics.estimate.MemoryEstimate.keep_unsharded`)."""
+    an optimizer step (``rlkit.fsdp.accumulate``); None: as rlkit decides, which the estimate resolves
+    (:attr:`~rlkit.diagnostics.MemoryEstimate.keep_unsharded`)."""
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     prompt_tokens: int = 64

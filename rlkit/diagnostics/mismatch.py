@@ -1,8 +1,8 @@
 """Why the rollout engine and the trainer disagree: per-token gaps, grouped, a floor, and checks that name causes.
 
 :func:`mismatch_report` joins a rollout (a :class:`~rlkit.data.batch.Batch` nothing has trained on yet) with each
-rank's :class:`~rlkit.diagnostics.rescore.Rescored` and returns a :class:`MismatchReport`. The gap, mean |delta| over
-the tokens with an engine log-prob (delta = trainer - engine, the trainer scoring through the update's forward), is
+rank's :class:`~rlkit.diagnostics.rescore.Rescored` and returns a :class:`MismatchReport`. The gap, mean ``|delta|``
+over the tokens with an engine log-prob (delta = trainer - engine, the trainer scoring through the update's forward), is
 held against a floor measured on the same rows (:mod:`rlkit.diagnostics.floor`), per rank and over all of them. The
 checks:
 
@@ -53,11 +53,11 @@ class MismatchReport:
     abs_delta, repeated (the token occurred earlier in the prompt or response)."""
     by_position: pd.DataFrame
     by_token: pd.DataFrame
-    """Sorted by the total |delta| the token carries (the tokens to look at first)."""
+    """Sorted by the total ``|delta|`` the token carries (the tokens to look at first)."""
     by_rank: pd.DataFrame
     by_turn: pd.DataFrame
     summary: dict[str, float]
-    """rlkit.algos.mismatch_summary of the tokens (k1, k3, chi2, |delta| mean and max, ratio stats, ESS)."""
+    """rlkit.algos.mismatch_summary of the tokens (k1, k3, chi2, ``|delta|`` mean and max, ratio stats, ESS)."""
     checks: pd.DataFrame
     """One row per check: check, named (bool), evidence, fix."""
     floor: Floor
@@ -91,7 +91,7 @@ class MismatchReport:
 
     def __str__(self) -> str:
         s = self.summary
-        head = (f"{int(s.get('tokens', 0))} tokens: mean |delta| {s.get('abs_delta_mean', math.nan):.3g}, "
+        head = (f"{int(s.get('tokens', 0))} tokens: mean ``|delta|`` {s.get('abs_delta_mean', math.nan):.3g}, "
                 f"max {s.get('abs_delta_max', math.nan):.3g}, k3 {s.get('kl_k3', math.nan):.3g}")  # fmt: skip
         lines = [head, self.verdict]
         for row in self.checks.itertuples():
@@ -156,7 +156,8 @@ def token_table(batch: Batch, trainer: torch.Tensor, decode: Callable[[int], str
 
 
 def grouped(tokens: pd.DataFrame, by: str | list[str]) -> pd.DataFrame:
-    """Per value of ``by``: tokens, mean delta, mean and max |delta|, their total, and k3 (mean ratio - 1 - delta)."""
+    """Per value of ``by``: tokens, mean delta, mean and max ``|delta|``, their total, and k3 (mean ratio - 1 -
+    delta)."""
     k3 = tokens["ratio"] - 1 - tokens["delta"]
     table = tokens.assign(k3=k3).groupby(by).agg(
         tokens=("delta", "size"),

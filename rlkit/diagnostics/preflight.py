@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def check_launch(config: RLConfig | PreferenceConfig, world_size: int, device: str = "cpu", **placement: Any) -> None:
     """Raise ConfigError with every problem at once: the config against ``world_size`` ranks on ``device``
     (``config.cluster_problems``; ``placement``: its ``nodes`` and ``node_gpus`` for GRPO/PPO) and what the model's
-    family lacks for FSDP and the rollout engine (:func:`rlkit.models.model_family_problems`)."""
+    family lacks for FSDP and the rollout engine (``rlkit.models.model_family_problems``)."""
     problems = config.cluster_problems(world_size, device, **placement)
     problems += model_family_problems(config, device, world_size)
     if problems:
@@ -96,7 +96,7 @@ def keeps_unsharded(
     compute_dtype: str,
 ) -> bool:
     """Whether the policy update keeps FSDP's units gathered through an optimizer step's micro-batches
-    (:mod:`rlkit.fsdp.accumulate`): the estimate's decision for ``config`` computing in ``compute_dtype``
+    (``rlkit.fsdp.accumulate``): the estimate's decision for ``config`` computing in ``compute_dtype``
     ("bf16" or "fp32", what the rank uses: fp32 on CPU)."""
     setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib)
     return estimate_memory(model_config, dataclasses.replace(setting, compute_dtype=compute_dtype)).keep_unsharded

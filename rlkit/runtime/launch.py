@@ -55,6 +55,14 @@ def launch(world_size: int = 2, *, backend: str = "local", device: str = "auto",
     interface (nothing of it listens beyond loopback); ``env`` cannot change those.
     verbose: forward every line the workers print; False (default) keeps vLLM's own log lines
     (its start-up banner, the weight loader's per-sync messages) in the rank logs only.
+
+    Example:
+        >>> import os, rlkit
+        >>> cluster = rlkit.launch(world_size=2)
+        >>> pids = cluster.run(os.getpid)          # one result per rank
+        >>> len(set(pids)), os.getpid() in pids    # two fresh processes, neither of them this one
+        (2, False)
+        >>> cluster.shutdown()
     """
     _check(world_size, backend, device, address, timeout, hang_timeout, call_timeout, env)
     _shutdown_all()

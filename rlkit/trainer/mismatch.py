@@ -34,12 +34,12 @@ class GapFloor:
     top_p: float
     tokens: int
     abs_delta_mean: float
-    """Mean |trainer - engine| log-prob per token (nats): the floor every step's mismatch metrics sit on."""
+    """Mean ``|trainer - engine|`` log-prob per token (nats): the floor every step's mismatch metrics sit on."""
     abs_delta_p99: float
     abs_delta_max: float
     kl_k3: float
     floor: float
-    """Mean |trainer - reference| over the same tokens (rlkit.diagnostics.floor): what an honest engine leaves."""
+    """Mean ``|trainer - reference|`` over the same tokens (rlkit.diagnostics.floor): what an honest engine leaves."""
     tolerance: float
     """The excess over the floor still called the floor (3 standard errors over the rows + 1e-6)."""
     causes: list[str]

@@ -398,7 +398,7 @@ class Trainer(PolicyTrainerBase):
 
     def certify(self, max_rows: int = 64) -> GapFloor:
         """The engine-vs-trainer gap of this model, engine and settings: :meth:`mismatch` on ``max_rows`` rows of
-        fixed-seed rollouts, summarised (mean, p99 and max |delta|, k3) against the floor measured on its rows, with
+        fixed-seed rollouts, summarised (mean, p99 and max ``|delta|``, k3) against the floor measured on its rows, with
         the verdict: "clean" only within the floor's tolerance on every rank (rlkit.diagnostics.floor)."""
         self._check_usable()
         cfg = self.config
