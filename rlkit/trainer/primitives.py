@@ -74,7 +74,7 @@ class _SampleRecord:
 
 
 class TrainingClient:
-    """A LoRA training client on ``cluster``: :class:`~rlkit.workers.primitives.PrimitivesWorker` on every rank."""
+    """A LoRA training client on ``cluster``: a ``PrimitivesWorker`` (``rlkit.workers.primitives``) on every rank."""
 
     def __init__(self, cluster: Cluster, config: PrimitivesConfig | None = None):
         self.config = config if config is not None else PrimitivesConfig()
