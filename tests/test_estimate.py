@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import rlkit
 from rlkit import diagnostics as dx
 from rlkit.diagnostics.estimate import phase_bytes
-from rlkit.diagnostics.head_memory import fused_head_bytes, logits_bytes, logits_layout
+from rlkit.diagnostics.head_memory import fused_head_bytes, logits_bytes
 from rlkit.diagnostics.memory_terms import (
     CUDA_CONTEXT_GIB,
     FRAGMENTATION,
@@ -28,6 +28,7 @@ from rlkit.diagnostics.memory_terms import (
     activation_bytes,
     head_activation_bytes,
     layer_activation_bytes,
+    logits_layout,
 )
 from rlkit.models.head import EAGER, install_response_head
 from rlkit.models.loading import load_causal_lm

@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from rlkit.diagnostics.head_memory import head_bytes
 from rlkit.diagnostics.memory_terms import (
     CUDA_CONTEXT_GIB,
     DTYPE_BYTES,
@@ -39,6 +38,7 @@ from rlkit.diagnostics.memory_terms import (
     engine_bytes,
     gathered_bytes,
     generate_bytes,
+    head_bytes,
     shared_weights_bytes,
     state_bytes,
     sync_bytes,

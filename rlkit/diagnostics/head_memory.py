@@ -14,15 +14,11 @@ measured peaks (bench/results, issue 34).
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from rlkit.models.head import CHUNK_ELEMENTS as HEAD_CHUNK_ELEMENTS
 from rlkit.models.head import FUSED_CHUNK_ELEMENTS
 from rlkit.models.logprobs import CHUNK_ELEMENTS
-
-if TYPE_CHECKING:
-    from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
 
 FORWARD_CHUNKS = 3
 """Plain path: fp32 [chunk, V] tensors alive at once in sampled_logprobs' forward: the scaled chunk, its
@@ -53,26 +49,6 @@ class LogitsLayout(NamedTuple):
     """Rows the LM head outputs (the fused head: the response tokens; plain: T + 1 positions per row)."""
     copies: int
     """Further compute-dtype [rows, V] copies beside the head's output (plain path)."""
-
-
-def logits_layout(shape: ModelShape, s: MemorySetting) -> LogitsLayout:
-    """Fused or packed: the head runs on the response tokens only, no copy. Plain and padded: on T + 1 positions
-    per row (``logits_to_keep``), and sampled_logprobs' reshape copies the non-contiguous [:, :-1] slice."""
-    seqs = s.sequences_per_micro_batch
-    rows = math.ceil(seqs * s.response_tokens)
-    if s.padding_free or shape.fused_head:
-        return LogitsLayout(rows, rows, 0)
-    return LogitsLayout(rows, rows + math.ceil(seqs), 1)
-
-
-def head_bytes(shape: ModelShape, s: MemorySetting, e: int, *, grad: bool) -> int:
-    """Peak bytes of one micro-batch's LM head and log-softmax beside the saved activations: at the loss and in
-    its backward (``grad``) or in a scoring forward."""
-    layout = logits_layout(shape, s)
-    if shape.fused_head:
-        return fused_head_bytes(layout.rows, shape.vocab_size, shape.hidden_size, e, grad=grad, math=s.head_math,
-                                weight_grad=not s.lora_rank)  # fmt: skip
-    return logits_bytes(layout, shape.vocab_size, e, grad=grad, fp32_path=grad and s.entropy_bonus)
 
 
 def fused_head_bytes(

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rlkit.diagnostics.head_memory import logits_layout
+from rlkit.diagnostics.head_memory import LogitsLayout, fused_head_bytes, logits_bytes
 from rlkit.models.packing import PACKABLE_MODEL_TYPES
 
 GiB = 2**30
@@ -241,6 +241,26 @@ class MemorySetting:
         compute dtype) only when that is the reduce dtype."""
         exact = self.fsdp_version == 2 or self.compute_dtype == self.reduce_dtype
         return self.micro_batches_per_step > 1 and not self.cpu_offload and exact
+
+
+def logits_layout(shape: ModelShape, s: MemorySetting) -> LogitsLayout:
+    """Fused or packed: the head runs on the response tokens only, no copy. Plain and padded: on T + 1 positions
+    per row (``logits_to_keep``), and sampled_logprobs' reshape copies the non-contiguous [:, :-1] slice."""
+    seqs = s.sequences_per_micro_batch
+    rows = math.ceil(seqs * s.response_tokens)
+    if s.padding_free or shape.fused_head:
+        return LogitsLayout(rows, rows, 0)
+    return LogitsLayout(rows, rows + math.ceil(seqs), 1)
+
+
+def head_bytes(shape: ModelShape, s: MemorySetting, e: int, *, grad: bool) -> int:
+    """Peak bytes of one micro-batch's LM head and log-softmax beside the saved activations: at the loss and in
+    its backward (``grad``) or in a scoring forward."""
+    layout = logits_layout(shape, s)
+    if shape.fused_head:
+        return fused_head_bytes(layout.rows, shape.vocab_size, shape.hidden_size, e, grad=grad, math=s.head_math,
+                                weight_grad=not s.lora_rank)  # fmt: skip
+    return logits_bytes(layout, shape.vocab_size, e, grad=grad, fp32_path=grad and s.entropy_bonus)
 
 
 def layer_activation_bytes(shape: ModelShape, e: int, *, expanded_kv: bool) -> int:
