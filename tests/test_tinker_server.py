@@ -3,9 +3,13 @@ AdamW step equal the plain-torch reference of tests/test_primitives.py; the samp
 weights with the trainer's log-probs; wrong keys and unserved endpoints are refused at once; loopback only."""
 
 import json
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -127,3 +131,21 @@ def test_the_server_listens_on_loopback_only_unless_asked(server, cluster):
     assert listening == {"127.0.0.1"}
     with pytest.raises(ValueError, match="allow_remote=True"):
         rlkit.serve_tinker(cluster, host="0.0.0.0")
+
+
+def test_rlkit_serve_tinker_serves_until_interrupted_and_refuses_a_remote_host_before_launch():
+    refused = subprocess.run([sys.executable, "-m", "rlkit", "serve-tinker", "--host", "0.0.0.0"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "--allow-remote" in refused.stderr
+    command = [sys.executable, "-m", "rlkit", "serve-tinker", "--port", "0", "--world-size", "1", "--device", "cpu"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = proc.stdout.readline().split()[-1]
+        key = proc.stdout.readline().split()[-1]
+        served = SimpleNamespace(url=url)
+        assert post(served, "/api/v1/create_session", {}, key)[0] == 200
+        assert post(served, "/api/v1/create_session", {}, "tml-wrong")[0] == 401
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

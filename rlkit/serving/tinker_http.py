@@ -66,14 +66,7 @@ def serve_tinker(target: Cluster | TrainingClient, *, config: PrimitivesConfig |
         api_key: the key every request must carry (default: a new random "tml-..." key).
         poll_s: how long one ``retrieve_future`` waits for a result before asking the client to poll again.
     """
-    problems = []
-    if not allow_remote and not _is_loopback(host):
-        problems.append(f"host={host!r} is not loopback: the server trains and samples for anyone holding the key; "
-                        "pass allow_remote=True (CLI: --allow-remote) to listen there")  # fmt: skip
-    if api_key is not None and not api_key.startswith("tml-"):
-        problems.append("api_key must start with 'tml-' (the Tinker SDK refuses other keys)")
-    if poll_s <= 0:
-        problems.append(f"poll_s={poll_s}: must be > 0")
+    problems = serve_problems(host, allow_remote, api_key, poll_s)
     if problems:
         raise ValueError("serve_tinker: " + "; ".join(problems))
     key = api_key or f"tml-{secrets.token_urlsafe(32)}"
@@ -83,6 +76,19 @@ def serve_tinker(target: Cluster | TrainingClient, *, config: PrimitivesConfig |
     server = TinkerServer(httpd, host, service, key)
     logger.info("Tinker API served at %s", server.url)
     return server
+
+
+def serve_problems(host: str, allow_remote: bool, api_key: str | None, poll_s: float) -> list[str]:
+    """Every problem of serve_tinker's settings, each with its fix (checked before anything starts)."""
+    problems = []
+    if not allow_remote and not _is_loopback(host):
+        problems.append(f"host={host!r} is not loopback: the server trains and samples for anyone holding the key; "
+                        "pass allow_remote=True (CLI: --allow-remote) to listen there")  # fmt: skip
+    if api_key is not None and not api_key.startswith("tml-"):
+        problems.append("api_key must start with 'tml-' (the Tinker SDK refuses other keys)")
+    if poll_s <= 0:
+        problems.append(f"poll_s={poll_s}: must be > 0")
+    return problems
 
 
 def _is_loopback(host: str) -> bool:
