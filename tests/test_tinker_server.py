@@ -1,0 +1,151 @@
+"""rlkit.serve_tinker driven by the real Tinker SDK on 2 gloo ranks: a LoRA training client's losses, log-probs and
+AdamW step equal the plain-torch reference of tests/test_primitives.py; the sampling client samples the saved
+weights with the trainer's log-probs; wrong keys and unserved endpoints are refused at once; loopback only."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+import rlkit
+from tests.test_primitives import ADAM, LORA, actor_adapters, data, reference_step, set_adapters, start_adapters
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("peft")
+
+
+def to_tinker(datum: rlkit.Datum):
+    """The same datum as the SDK's type (int64 targets, float32 inputs)."""
+    inputs = {k: torch.tensor(v, dtype=torch.int64 if k == "target_tokens" else torch.float32)
+              for k, v in datum.loss_fn_inputs.items()}  # fmt: skip
+    return tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(list(datum.tokens)), loss_fn_inputs=inputs)
+
+
+def post(server, path: str, body: dict, key: str) -> tuple[int, dict]:
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"X-API-Key": key, "Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = rlkit.launch(world_size=2, device="cpu")
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    with rlkit.serve_tinker(cluster, config=rlkit.PrimitivesConfig(lora=LORA), poll_s=2.0) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def training(server, cluster):
+    """The SDK's LoRA training client on the server, its adapters set to the reference's start."""
+    service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+    client = service.create_lora_training_client(base_model="tiny", rank=LORA.rank, seed=0).result()
+    cluster.run(set_adapters, start_adapters())
+    return client
+
+
+def test_the_sdks_forward_backward_and_optim_step_equal_the_reference(training, cluster):
+    ce, is_ = data()
+    ce_future = training.forward_backward([to_tinker(d) for d in ce], "cross_entropy")  # queued, not waited on
+    is_future = training.forward_backward([to_tinker(d) for d in is_], "importance_sampling")
+    step = training.optim_step(tinker.types.AdamParams(learning_rate=ADAM.learning_rate, beta1=ADAM.beta1,
+                               beta2=ADAM.beta2, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
+                               grad_clip_norm=ADAM.grad_clip_norm)).result()  # fmt: skip
+    ref = reference_step()
+    assert ce_future.result().metrics["loss:sum"] == pytest.approx(ref["ce_loss"], rel=1e-5)
+    assert is_future.result().metrics["loss:sum"] == pytest.approx(ref["is_loss"], rel=1e-5)
+    outputs = ce_future.result().loss_fn_outputs + is_future.result().loss_fn_outputs
+    for got, expected in zip(outputs, ref["ce_logp"] + ref["is_logp"], strict=True):
+        torch.testing.assert_close(got["logprobs"].to_torch(), expected, rtol=1e-5, atol=1e-5)
+    assert step.metrics["grad_norm"] == pytest.approx(ref["norm"], rel=1e-5)
+    got, start = cluster.run(actor_adapters)[0], start_adapters()
+    assert got.keys() == ref["adapters"].keys()
+    for name, expected in ref["adapters"].items():
+        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+        assert not torch.allclose(expected, start[name]), f"{name}: the step did not move it"
+
+
+def test_the_sdks_sampling_client_samples_the_saved_weights_with_the_trainers_log_probs(training):
+    prompt = [5, 17, 42, 9]
+    sampler = training.save_weights_and_get_sampling_client().result()
+    params = tinker.types.SamplingParams(max_tokens=6, seed=1, temperature=1.0)
+    sequences = sampler.sample(tinker.types.ModelInput.from_ints(prompt), 3, params).result().sequences
+    assert len(sequences) == 3 and all(1 <= len(s.tokens) <= 6 for s in sequences)
+    for seq in sequences:
+        full = prompt + list(seq.tokens)
+        datum = rlkit.Datum(tokens=full[:-1], loss_fn_inputs={"target_tokens": full[1:],
+                                                              "weights": [1.0] * (len(full) - 1)})  # fmt: skip
+        out = training.forward([to_tinker(datum)], "cross_entropy").result().loss_fn_outputs[0]
+        trainer = out["logprobs"].to_torch()[len(prompt) - 1:]
+        torch.testing.assert_close(trainer, torch.tensor(seq.logprobs), rtol=1e-4, atol=1e-4)
+    training.forward_backward([to_tinker(d) for d in data()[0]], "cross_entropy")
+    training.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+    newer = training.save_weights_and_get_sampling_client().result()
+    assert newer.sample(tinker.types.ModelInput.from_ints(prompt), 1, params).result().sequences
+    with pytest.raises(Exception, match="only the latest saved weights"):  # one engine: older snapshots are gone
+        sampler.sample(tinker.types.ModelInput.from_ints(prompt), 1, params).result()
+
+
+def test_an_unserved_endpoint_is_refused_at_once_by_name_and_later_calls_still_run(server, training):
+    started = time.monotonic()
+    with pytest.raises(tinker.NotFoundError, match="does not serve POST /api/v1/save_weights"):
+        training.save_state("checkpoint").result()  # takes a seq_id turn, which the refusal gives up
+    assert time.monotonic() - started < 5
+    out = training.forward([to_tinker(data()[0][0])], "cross_entropy").result(timeout=60)
+    assert out.metrics["loss:sum"] > 0
+    status, body = post(server, "/api/v1/unload_model", {}, server.api_key)
+    assert status == 404 and "does not serve POST /api/v1/unload_model" in body["error"]
+
+
+def test_a_wrong_api_key_is_refused(server):
+    for key in ("", "tml-wrong", server.api_key + "x"):
+        status, body = post(server, "/api/v1/create_session", {}, key)
+        assert status == 401 and "X-API-Key" in body["error"]
+    assert post(server, "/api/v1/create_session", {}, server.api_key)[0] == 200
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").create_lora_training_client(
+            base_model="tiny", rank=LORA.rank)
+
+
+def test_the_server_listens_on_loopback_only_unless_asked(server, cluster):
+    port = int(server.url.rsplit(":", 1)[1])
+    listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}  # fmt: skip
+    assert listening == {"127.0.0.1"}
+    with pytest.raises(ValueError, match="allow_remote=True"):
+        rlkit.serve_tinker(cluster, host="0.0.0.0")
+
+
+def test_rlkit_serve_tinker_serves_until_interrupted_and_refuses_a_remote_host_before_launch():
+    refused = subprocess.run([sys.executable, "-m", "rlkit", "serve-tinker", "--host", "0.0.0.0"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "--allow-remote" in refused.stderr
+    command = [sys.executable, "-m", "rlkit", "serve-tinker", "--port", "0", "--world-size", "1", "--device", "cpu"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = proc.stdout.readline().split()[-1]
+        key = proc.stdout.readline().split()[-1]
+        served = SimpleNamespace(url=url)
+        assert post(served, "/api/v1/create_session", {}, key)[0] == 200
+        assert post(served, "/api/v1/create_session", {}, "tml-wrong")[0] == 401
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
