@@ -145,6 +145,7 @@ FAST_MODULES = {
     "test_widgets.py",  # widgets
     "test_diagnostics.py", "test_estimate.py",  # diagnostics
     "test_cli.py",  # cli
+    "test_tinker_losses.py", "test_tinker_server.py",  # Tinker's losses, rlkit.serving with the real SDK
     "test_docstrings.py",  # the API reference's examples
 }  # fmt: skip
 TOO_SLOW_FOR_FAST = {  # seconds each took in the fast run on 2 shared cores
@@ -155,6 +156,7 @@ TOO_SLOW_FOR_FAST = {  # seconds each took in the fast run on 2 shared cores
     "test_a_killed_run_resumes_into_the_same_folder_and_matches_the_uninterrupted_one",  # 56
     "test_kill_during_save_leaves_previous_checkpoint_usable",  # 37
     "test_loss_path_peak_matches_the_estimate",  # 24
+    "test_scoring_peak_matches_the_estimate",  # the same heap measurement
     "test_resume_is_exact",  # 19
     "test_ranks_stuck_after_another_rank_failed_break_the_cluster",  # 12
     "test_all_ranks_stuck_are_reported_after_call_timeout",  # 12
