@@ -1,7 +1,7 @@
 """rlkit's policy update alone, its levers against each other in one process on one batch (figures, not a test).
 
     python bench/update_levers.py --shape 0.5b [--warmup 1 --steps 8] [--variants reshard+eager keep+fused ...]
-        [--profile keep+fused] [--label NAME --json PATH]
+        [--profile keep+fused] [--set fsdp.kernels=liger ...] [--label NAME --json PATH]
 
 One rollout of the yardstick's workload (``bench/workloads.py``: 64 prompts x 8 completions of exactly 256
 tokens, the hf engine, no vLLM needed), then ``PolicyWorker.update`` on that same batch again and again, one
@@ -16,7 +16,10 @@ untimed). A variant is ``<fsdp>+<head>[+micro<N>]``:
 
 Prints each variant's update seconds (median and spread), tokens/s, MFU and peak memory, and its paired ratio
 (round by round) to the first variant; ``--profile`` adds one profiled update of that variant (top operators,
-and by input shapes). The weight sync is not part of the update's seconds (it is reported apart).
+and by input shapes). The weight sync is not part of the update's seconds (it is reported apart). ``--set``
+overrides a config setting for every variant, as in grpo_step.py: what is fixed when the model is built
+(``fsdp.compile``, ``fsdp.kernels``: Liger's kernels patch the worker's transformers modules for good) is
+compared across runs, one process each.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from grpo_step import _param_count
+from grpo_step import _param_count, merged, overrides
 from profiling import start_profiler, stop_profiler
 from results import write_result
 from shapes import PEAK_BF16_FLOPS, SHAPES
@@ -117,6 +120,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--device-memory-gib", type=float, help="skip variants the estimate says will not fit")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config setting")
     parser.add_argument("--label", default="rlkit-update")
     parser.add_argument("--json", type=Path)
     return parser.parse_args()
@@ -125,11 +129,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     model_dir = build_model_dir(args.shape, args.root)
-    config = rlkit.GRPOConfig.from_dict({
+    config = rlkit.GRPOConfig.from_dict(merged({
         "model": str(model_dir), "seed": 0, "prompts_per_step": args.prompts, "group_size": args.group,
         "micro_batch_size": args.micro, "optim": {"lr": 1e-6}, "steps": 1000,
         "rollout": {"engine": "hf", "max_new_tokens": args.response_len, "min_new_tokens": args.response_len},
-        "data": {"max_prompt_tokens": args.prompt_len}})
+        "data": {"max_prompt_tokens": args.prompt_len}}, overrides(args.set)))
     variants = [Variant.parse(v, args.micro) for v in args.variants]
     skipped = [v.name for v in variants if not fits(v, config, args)]
     variants = [v for v in variants if v.name not in skipped]
@@ -139,7 +143,7 @@ def main() -> None:
         trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards,
                                 prompts=digit_prompts(args.prompts, args.prompt_len))
         batch = trainer.advantages(trainer.score(trainer.rollout()))
-        rows = policy_rows(batch, config.mask_truncated)
+        rows = policy_rows(batch)
         calls: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}
         heads: dict[str, str] = {}
         for r in range(args.warmup + args.steps):
@@ -179,7 +183,8 @@ def summarize(calls, heads, variants, args, n_params: int) -> dict:
 
 def report(figures: dict, args) -> None:
     print(f"rlkit update levers: {args.shape}, {args.prompts}x{args.group} rows of {args.prompt_len}+"
-          f"{args.response_len} tokens, {args.warmup} warm-up + {args.steps} timed rounds")
+          f"{args.response_len} tokens, {args.warmup} warm-up + {args.steps} timed rounds; "
+          f"settings {args.set or 'default'}")
     for name, f in figures["variants"].items():
         ratio = next(v for k, v in f.items() if k.startswith("over "))
         print(f"  {name:<22} update {describe(f['update'])}; {f['update_tokens_per_s']:.0f} tokens/s, MFU "

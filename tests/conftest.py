@@ -136,7 +136,7 @@ FAST_MODULES = {
     "test_correction.py", "test_objective.py",  # algos, workers
     "test_config.py", "test_config_algos.py", "test_config_docs.py", "test_data_config.py",  # config
     "test_batch.py", "test_data_sources.py", "test_verifiable.py", "test_named_rewards.py",  # data
-    "test_logprobs.py", "test_fused_head.py", "test_tiny_model.py",  # models
+    "test_logprobs.py", "test_fused_head.py", "test_tiny_model.py", "test_kernels.py",  # models
     "test_fsdp.py", "test_checkpoint.py",  # fsdp
     "test_rollout.py", "test_engine_parts.py",  # rollout
     "test_runtime.py",  # runtime

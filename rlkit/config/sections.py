@@ -234,6 +234,10 @@ class FSDPConfig:
     """``torch.compile`` each decoder layer's forward (after activation checkpointing, before sharding, as
     torchtitan orders them) and the fused LM head's per-chunk softmax math; the first steps pay the
     compile time (and a recompile or two as packed lengths vary). FSDP2 only."""
+    kernels: str = "torch"
+    """"torch" (the model's own code) or "liger": Liger Kernel's fused Triton RMSNorm, SwiGLU and rotary
+    embedding swapped into each decoder layer before sharding (``pip install 'rlkit[kernels]'``; CUDA only;
+    Llama, Mistral, Qwen2 and Qwen3 families). rlkit's own fused log-prob head stays."""
 
     def problems(self, prefix: str = "fsdp") -> list[str]:
         p: list[str] = []
@@ -262,6 +266,7 @@ class FSDPConfig:
             not (self.compile and self.version == 1),
             f"{prefix}.compile=True with version=1: compiled layers are supported with FSDP2; set version=2",
         )
+        need(p, self.kernels in KERNELS, f'{prefix}.kernels="{self.kernels}": use one of {KERNELS}')
         return p
 
     def cluster_problems(self, world_size: int, device: str, prefix: str = "fsdp") -> list[str]:
@@ -279,10 +284,24 @@ class FSDPConfig:
             not (self.cpu_offload and device == "cpu"),
             f"{prefix}.cpu_offload=True on a CPU cluster: offload moves GPU memory to the CPU; set it to False",
         )
+        if self.kernels == "liger":
+            need(
+                p,
+                device == "cuda",
+                f'{prefix}.kernels="liger" on a CPU cluster: Liger\'s kernels are Triton GPU kernels; use "torch"',
+            )
+            need(
+                p,
+                device != "cuda" or importlib.util.find_spec("liger_kernel") is not None,
+                f"{prefix}.kernels=\"liger\" but liger-kernel is not installed: pip install 'rlkit[kernels]', "
+                'or use "torch"',
+            )
         return p
 
 
 SHARDING = ("full", "hybrid", "no_shard")
+KERNELS = ("torch", "liger")
+"""Values of FSDPConfig.kernels (rlkit.models.kernels applies them)."""
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from rlkit.config import FSDPConfig
 from rlkit.models.families import decoder_layers
 from rlkit.models.head import response_head
+from rlkit.models.kernels import apply_kernels
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -43,8 +44,10 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> 
     loss. Each decoder layer is, in this order (torchtitan's), checkpointed
     (``config.activation_checkpointing``), compiled (``config.compile``; a fused
     :class:`~rlkit.models.head.ResponseHead` compiles its chunk math too) and
-    sharded; parameter names do not change. Build the optimizer after this call.
+    sharded; parameter names do not change. Before all of it, ``config.kernels="liger"`` swaps Liger's fused
+    kernels into the layers (:func:`~rlkit.models.kernels.apply_kernels`). Build the optimizer after this call.
     """
+    apply_kernels(model, config.kernels)
     if config.version == 1:
         return _apply_fsdp1(model, mesh, config)
     compute = param_dtype(config, mesh.device_type)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlkit.models.kernels import liger_family_problem
 from rlkit.models.tiny import BUNDLED_MODELS
 
 if TYPE_CHECKING:
@@ -51,7 +52,18 @@ def model_family_problems(config: RLConfig | PreferenceConfig, device: str, worl
         tensor_parallel_size=rollout.tensor_parallel_size if rollout is not None else 1,
         lora=getattr(config, "lora", None),
     )
-    return problems + _fsdp1_lora_problems(config, model_dir, world_size)
+    return problems + _fsdp1_lora_problems(config, model_dir, world_size) + _kernel_problems(config, model_dir)
+
+
+def _kernel_problems(config: RLConfig | PreferenceConfig, model_dir: Path) -> list[str]:
+    """``fsdp.kernels="liger"`` on a family rlkit does not swap Liger's kernels into."""
+    if config.fsdp.kernels != "liger":
+        return []
+    model_config, problem = _read_config(model_dir, config.trust_remote_code, f'model="{model_dir}"')
+    if model_config is None:
+        return []  # check_model_family reported it
+    problem = liger_family_problem(model_config.model_type)
+    return [problem] if problem else []
 
 
 def describe_lora(config: RLConfig | PreferenceConfig) -> str | None:
