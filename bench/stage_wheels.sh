@@ -2,7 +2,8 @@
 # Stage every wheel bench/gpu_session.sh carries to the H200 under .whl/ (ignored by git), in folders of at
 # most ~55 MiB (a device call carries 64 MiB with the working tree). Run here, from the project's root:
 #   .whl/vllm/c0..c5  vLLM 0.24.0 + what `from vllm import LLM` needs (../shared/gpu/vllm-wheels.sh; ~300 MB)
-#   .whl/run          TRL 1.16.0 and the three packages the image lacks for it, and the commit (1.7 MB)
+#   .whl/run          TRL 1.16.0 and the three packages the image lacks for it, Liger Kernel 0.8.5 (rlkit[kernels];
+#                     Triton comes with the image's torch), and the commit (2 MB)
 #   .whl/verl/v0, v1  verl 0.9.1, Ray 2.60.0 (split in two), transformers 5.9.0 (verl's pin: <5.11, the
 #                     image has 5.17) with tokenizers 0.22.2 (5.9 refuses the image's 0.23), verl's other missing
 #                     packages and what vLLM's OpenAI server (verl's rollout) imports (~95 MB; ../shared/gpu/GPU.md)
@@ -21,8 +22,9 @@ shared=$(cd "$(git rev-parse --git-common-dir)/../../shared" && pwd)
 [ -f .whl/vllm/c5/name ] || [ -n "${SKIP_VLLM:-}" ] || sed "s#\.git/info/exclude#/dev/null#g" "$shared/gpu/vllm-wheels.sh" | bash
 
 rm -rf .whl/run && mkdir -p .whl/run
-get .whl/run trl==1.16.0 datasets==4.8.4 dill==0.4.0 multiprocess==0.70.18
+get .whl/run trl==1.16.0 datasets==4.8.4 dill==0.4.0 multiprocess==0.70.18 liger-kernel==0.8.5
 git describe --always --dirty > .whl/run/COMMIT  # the code's commit, for the records (re-run before a lease)
+[ -n "${SKIP_VERL:-}" ] && { du -sh .whl/vllm/c* .whl/run; exit 0; }  # leases that do not run verl
 
 rm -rf .whl/verl && mkdir -p .whl/verl/dl .whl/verl/v0 .whl/verl/v1/deps
 get .whl/verl/v1/deps verl==0.9.1 transformers==5.9.0 hydra-core==1.3.2 omegaconf==2.3.0 tensordict==0.10.0 \

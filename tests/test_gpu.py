@@ -261,3 +261,46 @@ def test_vllm_adapter_sync_follows_the_adapters_and_a_skipped_sync_shows():
     print(f"LoRA adapter sync, log-prob gap: synced <= {synced_gap:.4f}, after a skipped sync {stale_gap:.4f}")
     assert synced_gap < 0.05
     assert stale_gap > 3 * synced_gap
+
+
+def kernels_bf16_update(model_dir: str, kernels: str) -> dict[str, float]:
+    """On a worker: one bf16-compute update of the small Qwen2 (packed rows) with ``fsdp.kernels``; the loss, each
+    parameter's gradient sum of squares before clipping and the global norm. Liger patches this process's
+    transformers modules for good: one launch per value."""
+    from role_runs import rank_share
+
+    from rlkit.workers import PolicyRows, PolicyWorker
+
+    cfg = rlkit.GRPOConfig(rollout=rlkit.RolloutConfig(max_new_tokens=8), micro_batch_size=4,
+                           fsdp=rlkit.FSDPConfig(kernels=kernels))
+    worker = PolicyWorker(cfg, model_dir)
+    swapped = {type(m).__name__ for m in worker.actor.model.modules()} | {
+        m._get_name() for m in worker.actor.model.modules()}
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(8, 24).long()
+    mask[::2, :5] = 0  # left padding on half the rows: the packed path's position ids restart per row
+    batch = {"input_ids": torch.randint(0, 512, (8, 24), generator=gen), "attention_mask": mask,
+             "response_mask": torch.ones(8, 8), "advantages": torch.randn(8, 8, generator=gen)}
+    result = worker.update(PolicyRows(**rank_share(batch)))
+    report = worker.grad_report()
+    worker.close()
+    return {**{e.name: e.sumsq for e in report.entries}, "global norm": result.metrics["actor/grad_norm"],
+            "loss": result.metrics["actor/loss"], "liger": float(any("Liger" in n for n in swapped))}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+@pytest.mark.timeout(300)
+def test_liger_kernels_give_the_bf16_update_of_the_model_code(tmp_path):
+    """fsdp.kernels="liger" swaps Liger's RMSNorm, SwiGLU and rotary kernels in; the update's loss and every
+    parameter's gradient stay within bf16 rounding of the model's own code."""
+    model_dir = save_model_dir(small_qwen2(), tmp_path)
+    runs = {}
+    for kernels in ("torch", "liger"):
+        with rlkit.launch(world_size=1, device="cuda") as cluster:
+            runs[kernels] = cluster.run(kernels_bf16_update, model_dir, kernels)[0]
+    plain, liger = runs["torch"], runs["liger"]
+    assert liger.pop("liger") == 1.0 and plain.pop("liger") == 0.0
+    assert liger.keys() == plain.keys() and plain["global norm"] > 0
+    for name, value in plain.items():
+        assert liger[name] == pytest.approx(value, rel=3e-2, abs=1e-9), name
