@@ -16,6 +16,8 @@
 #   z8    (nothing)              bash bench/sizes_session.sh z8   7B full fine-tuning, checkpointing + CPU offload
 #   z9    (nothing)              bash bench/sizes_session.sh z9   tests/test_gpu.py with vLLM
 #   z10   (nothing)              bash bench/sizes_session.sh z10  3B varlen without checkpointing, 16,384-token ones
+#   z11   (nothing)              bash bench/sizes_session.sh z11  rlkit 0.5B with Liger's kernels (where z2 says
+#                                                                 they are faster), right after z6
 #
 # Records: $OUT/<call>/<item>.json and $OUT/<call>.log; copy them to bench/results/<date>-h200/ as each returns.
 set -uo pipefail
@@ -99,8 +101,13 @@ z10() {
     --json "$RAW/3b-varlen-noac.json"
 }
 
+z11() {
+  item rlkit-0.5b-vllm-liger 150 "${GRPO[@]}" --shape 0.5b --engine vllm --set fsdp.kernels=liger \
+    --label rlkit-vllm-liger --json "$RAW/rlkit-0.5b-vllm-liger.json"
+}
+
 case "${1:-}" in
-  z1|z2|z3|z4|z5|z6|z7|z8|z9|z10)
+  z1|z2|z3|z4|z5|z6|z7|z8|z9|z10|z11)
     CALL=$1 RAW="$OUT/$1" BUDGET=${BUDGET:-290}
     mkdir -p "$RAW"
     "$1" 2>&1 | tee "$OUT/$1.log"
