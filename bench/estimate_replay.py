@@ -29,7 +29,8 @@ MARK_OF = {phase: mark for mark, phase in reversed(MARK_PHASES.items())}
 def replay(path: Path) -> list[dict[str, object]]:
     """One row per measured phase of the record at ``path``: measured, then and now (GiB), and the ratios."""
     record = json.loads(path.read_text())
-    figures, args = record["figures"], argparse.Namespace(**record["args"])
+    # records before 2026-12-04 name no host memory: the device phases compared here do not read it
+    figures, args = record["figures"], argparse.Namespace(**{"host_memory_gib": 0.0, **record["args"]})
     config = rlkit.GRPOConfig.from_dict({**figures["config"], "model": "tiny"})  # the shape comes from args.shape
     then = {row["phase"]: row for row in figures["estimate_vs_measured"]}
     marks = pd.DataFrame({"rank": 0, "phase": [MARK_OF[p] for p in then],

@@ -39,6 +39,7 @@ from workloads import ForcedLengths, build_model_dir, digit_prompts, random_rewa
 
 import rlkit
 from rlkit import diagnostics as dx
+from rlkit.diagnostics.preflight import estimate_findings
 
 PHASES = ("step", "generate", "engine_sleep", "logprobs", "reference", "update", "sync")
 """The history's ``time/step`` and ``time/worker/<phase>`` columns this bench reports."""
@@ -101,7 +102,9 @@ def device_memory_gib() -> float:
 
 def memory_estimate(config: rlkit.GRPOConfig, args, device_gib: float) -> dx.MemoryEstimate:
     """The preflight estimate of this run from the shape's config (fixed lengths pad nothing: no mask)."""
-    setting = dx.memory_setting(config, world_size=args.world_size, device_memory_gib=device_gib)
+    host_gib = args.host_memory_gib or dx.host_memory()[1]
+    setting = dx.memory_setting(config, world_size=args.world_size, device_memory_gib=device_gib,
+                                host_memory_gib=host_gib)
     if args.lengths == "fixed":
         setting = dataclasses.replace(setting, padding_mask=False)
     return dx.estimate_memory({"model_type": "qwen2", **SHAPES[args.shape]}, setting)
@@ -162,6 +165,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="one more step, profiled, not timed")
     parser.add_argument("--estimate-only", action="store_true", help="print the memory estimate and stop")
     parser.add_argument("--device-memory-gib", type=float, default=139.8, help="with --estimate-only (H200)")
+    parser.add_argument("--host-memory-gib", type=float, default=0.0,
+                        help="with --estimate-only: the host's memory, for the offload check (0: this machine's)")
     parser.add_argument("--label", default="rlkit")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -215,7 +220,8 @@ def main() -> None:
     args = parse_args()
     lengths = workload_lengths(args, args.prompts * args.group)
     if args.estimate_only:
-        print(memory_estimate(run_config(args, "tiny"), args, args.device_memory_gib))
+        estimate = memory_estimate(run_config(args, "tiny"), args, args.device_memory_gib)
+        print(estimate, estimate_findings(estimate), sep="\n")
         return
     model_dir = build_model_dir(args.shape, args.root)
     prompts = digit_prompts(args.prompts * 4, args.prompt_len)

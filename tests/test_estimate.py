@@ -455,8 +455,39 @@ def test_the_estimate_replays_the_h200_records_within_15_percent():
 
     bench = Path(__file__).resolve().parents[1] / "bench"
     records = ["results/2026-12-03-h200/rlkit-vllm.json", "results/2026-12-03-h200/3b-varlen-ac.json",
-               "results/2026-12-02-h200b/r1c/rlkit-0.5b-vllm.json"]
+               "results/2026-12-02-h200b/r1c/rlkit-0.5b-vllm.json", "results/2026-12-04-h200/z7/3b-varlen-ac.json"]
     done = subprocess.run([sys.executable, "estimate_replay.py", *records, "--within", "0.15"], cwd=bench,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("measured") == 12 and "skipped" not in done.stderr  # 4 phases x 3 records
+    assert done.stdout.count("measured") == 16 and "skipped" not in done.stderr  # 4 phases x 4 records
+
+
+QWEN_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+OFFLOADED_7B = dict(device_memory_gib=139.8, cpu_offload=True, activation_checkpointing=True, engine="vllm",
+                    prompt_tokens=64, response_tokens=256, samples_per_step=128, host_memory_gib=128.0)
+
+
+def test_offloaded_state_and_sleeping_engines_are_checked_against_the_host():
+    """7B full fine-tuning with CPU offload on one H200 (2026-12-04): the estimate said the device fits (103 GiB)
+    and the OS killed the rank in its first update. fp32 parameters, gradients and two AdamW moments, 16 bytes a
+    parameter, move to the host, beside the sleeping engine's bf16 weights (2 bytes a parameter)."""
+    from rlkit.diagnostics.preflight import estimate_findings
+
+    est = dx.estimate_memory(QWEN_7B, **OFFLOADED_7B)
+    n = est.shape.num_parameters
+    assert est.fits and n == pytest.approx(7.6156e9, rel=1e-4)
+    assert est.host_gib == pytest.approx({"offloaded": 16 * n / 2**30, "engine sleeping": 2 * n / 2**30})
+    assert not est.host_fits  # 113.5 + 14.2 GiB > 90% of 128
+    found = estimate_findings(est)
+    assert found.ids == ["host-memory-will-not-fit"] and found.items[0].severity == "error"
+    assert "127.7 GiB of host memory" in found.items[0].message and "lora.rank" in found.items[0].fix
+    # two ranks on the host: half the state each, two sleeping engines; one rank per host: half of each
+    shared = dx.estimate_memory(QWEN_7B, **OFFLOADED_7B, world_size=2)
+    spread = dx.estimate_memory(QWEN_7B, **OFFLOADED_7B, world_size=2, ranks_per_host=1)
+    assert shared.host_gib == pytest.approx({"offloaded": 16 * n / 2**30, "engine sleeping": 4 * n / 2**30})
+    assert spread.host_gib == pytest.approx({"offloaded": 8 * n / 2**30, "engine sleeping": 2 * n / 2**30})
+    assert spread.host_fits and not shared.host_fits
+    # LoRA offloads the adapters' state only; an unknown host is not checked
+    assert dx.estimate_memory(QWEN_7B, **OFFLOADED_7B, lora_rank=16).host_fits
+    assert dx.estimate_memory(QWEN_7B, **{**OFFLOADED_7B, "host_memory_gib": 0.0}).host_fits

@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -164,8 +165,11 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
         data = load_run_data(config, tokenizer, base_dir=_base_dir(args))  # every file and reward, before launch
     gpu_gib = visible_gpu_memory_gib() if args.device != "cpu" else None
     if gpu_gib is not None:  # GPUs: will it fit? (the estimate, before anything loads)
+        _, host_gib = diagnostics.host_memory()  # this machine's, for the ranks it launches (torchrun: its node's)
+        per_host = max(Counter(nodes).values()) if nodes else world_size
         findings = diagnostics.preflight(config, resolve_model_dir(config.model), world_size=world_size,
-                                         device_memory_gib=gpu_gib)  # fmt: skip
+                                         device_memory_gib=gpu_gib, host_memory_gib=host_gib,
+                                         ranks_per_host=per_host)  # fmt: skip
         if findings.items:
             print(f"warning: {findings}", file=sys.stderr, flush=True)
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])

@@ -39,6 +39,7 @@ from rlkit.diagnostics.memory_terms import (
     gathered_bytes,
     generate_bytes,
     head_bytes,
+    host_offload_bytes,
     shared_weights_bytes,
     state_bytes,
     sync_bytes,
@@ -57,6 +58,11 @@ TOLERANCE = 0.15
 MARGIN = 0.05
 """A peak that fits within this fraction of the device is tight: measured/predicted on one H200 ran 0.95-1.02 at
 0.5B and 3B (2026-12-04), and 7B with CPU offload, estimated at 97.5% of the device, ran out of memory."""
+
+HOST_HEADROOM = 0.10
+"""The share of a host's memory left to the OS, the ranks' Python and CUDA runtimes and pinned transfer buffers:
+what the offloaded state and sleeping engines may not take (7B full fine-tuning offloaded 113.5 GiB beside a
+14.2 GiB sleeping engine on a 128 GiB H200 host, and the OS killed the rank in its first update, 2026-12-04)."""
 
 MARK_PHASES = {"rollout": "rollout", "actor_logprobs": "scoring", "reference": "scoring",
                "forward_backward": "update", "optimizer_step": "optimizer_step", "weight_sync": "weight_sync"}
@@ -109,6 +115,17 @@ class MemoryEstimate:
     def tight(self) -> bool:
         """It fits, but within :data:`MARGIN` of the device: within the estimate's own error."""
         return self.fits and self.peak_gib > (1 - MARGIN) * self.setting.device_memory_gib
+
+    @property
+    def host_gib(self) -> dict[str, float]:
+        """Host memory of one host's ranks (GiB) by what holds it (:func:`host_offload_bytes`)."""
+        return {k: v / GiB for k, v in host_offload_bytes(self.shape, self.setting).items()}
+
+    @property
+    def host_fits(self) -> bool:
+        """What the host holds stays within (1 - :data:`HOST_HEADROOM`) of its memory (True where not checked)."""
+        total = self.setting.host_memory_gib
+        return not total or sum(self.host_gib.values()) <= (1 - HOST_HEADROOM) * total
 
     def allocated_gib(self, phase: str | None = None) -> float:
         """What ``torch.cuda.max_memory_allocated`` in the trainer's process should read at ``phase`` (default:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -27,6 +28,11 @@ def memory_mb(device: torch.device) -> dict[str, float]:
 def device_memory_gib() -> float:
     """On a worker: the total memory of this process's current CUDA device, in GiB."""
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+
+
+def host_memory() -> tuple[str, float]:
+    """On a worker (or the controller): this host's name and its total memory in GiB."""
+    return socket.gethostname(), psutil.virtual_memory().total / 2**30
 
 
 def visible_gpu_memory_gib() -> float | None:

@@ -34,9 +34,12 @@ def check_launch(config: RLConfig | PreferenceConfig, world_size: int, device: s
         raise ConfigError(problems)
 
 
-def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: float) -> MemorySetting:
-    """The estimate's knobs from a GRPOConfig / PPOConfig on a GPU cluster (param_dtype "auto" is bf16 there).
-    """
+def memory_setting(
+    config: RLConfig, *, world_size: int, device_memory_gib: float, host_memory_gib: float = 0.0,
+    ranks_per_host: int = 0,
+) -> MemorySetting:
+    """The estimate's knobs from a GRPOConfig / PPOConfig on a GPU cluster (param_dtype "auto" is bf16 there);
+    ``host_memory_gib`` (0: unchecked) and ``ranks_per_host`` (0: all on one) for the host memory's check."""
     fsdp, rollout = config.fsdp, config.rollout
     padding_free, attention = config.padding_free, config.attn_implementation
     return MemorySetting(
@@ -69,6 +72,8 @@ def memory_setting(config: RLConfig, *, world_size: int, device_memory_gib: floa
         lora_rank=config.lora.rank,
         lora_targets=config.lora.target_modules,
         lora_sync=rollout.lora_sync,
+        host_memory_gib=host_memory_gib,
+        ranks_per_host=ranks_per_host,
     )
 
 
@@ -78,12 +83,15 @@ def estimate_for(
     *,
     world_size: int,
     device_memory_gib: float,
+    host_memory_gib: float = 0.0,
+    ranks_per_host: int = 0,
 ) -> MemoryEstimate:
     """:func:`estimate_memory` of ``config`` on ``world_size`` devices of ``device_memory_gib`` each.
 
     ``model_config``: a config.json dict, a PretrainedConfig, a ModelShape or a model directory; None reads
-    ``config.model``'s config.json."""
-    setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib)
+    ``config.model``'s config.json. ``host_memory_gib``, ``ranks_per_host``: as :func:`memory_setting`."""
+    setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib,
+                             host_memory_gib=host_memory_gib, ranks_per_host=ranks_per_host)  # fmt: skip
     return estimate_memory(config.model if model_config is None else model_config, setting)
 
 
@@ -108,10 +116,14 @@ def preflight(
     *,
     world_size: int,
     device_memory_gib: float,
+    host_memory_gib: float = 0.0,
+    ranks_per_host: int = 0,
 ) -> Findings:
     """Lint findings of ``config`` before anything launches: "memory-will-not-fit" when the estimate's peak
-    exceeds the device, with the fixes. Arguments as :func:`estimate_for`."""
-    est = estimate_for(config, model_config, world_size=world_size, device_memory_gib=device_memory_gib)
+    exceeds the device, with the fixes; "host-memory-will-not-fit" when CPU offload and sleeping engines would
+    take more than a host has (given ``host_memory_gib``). Arguments as :func:`estimate_for`."""
+    est = estimate_for(config, model_config, world_size=world_size, device_memory_gib=device_memory_gib,
+                       host_memory_gib=host_memory_gib, ranks_per_host=ranks_per_host)  # fmt: skip
     return estimate_findings(est)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from rlkit.diagnostics.agreement import outliers
+from rlkit.diagnostics.estimate import HOST_HEADROOM
 from rlkit.diagnostics.inspection import RankReport
 from rlkit.diagnostics.layout import unit_label
 from rlkit.diagnostics.scaling import rank_state_bytes, whole_state_bytes
@@ -309,7 +310,25 @@ def memory_is_tight(est: MemoryEstimate) -> Iterator[Raw]:
     )
 
 
+def host_memory_will_not_fit(est: MemoryEstimate) -> Iterator[Raw]:
+    if est.host_fits:
+        return
+    s, held = est.setting, est.host_gib
+    ranks = s.ranks_per_host or s.world_size
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in held.items() if v)
+    yield Raw(
+        "host-memory-will-not-fit", "error",
+        f"One host's ranks would hold {sum(held.values()):.1f} GiB of host memory, more than "
+        f"{1 - HOST_HEADROOM:.0%} of its {s.host_memory_gib:.1f} GiB: the OS would kill a rank (out of memory) "
+        "in its first update.",
+        f"{ranks} rank(s) on the host, {est.shape.num_parameters / 1e6:,.1f}M parameters; GiB: {parts}",
+        "spread the ranks over more hosts (each holds a smaller shard); or train LoRA adapters (lora.rank > 0: "
+        "the offloaded state shrinks to the adapters'); or, where the device fits the state, fsdp.cpu_offload=False",
+        tuple(range(s.world_size)),
+    )
+
+
 PER_RANK = (optimizer_before_wrap, one_giant_unit, no_shard, fp16_without_scaler, mixed_fp16_bf16, flat_params,
             weights_replaced, frozen_trainable_mixed, wrong_device, unwrapped_params)
 ACROSS_RANKS = (ranks_differ, memory_not_sharded)
-PREFLIGHT = (memory_will_not_fit, memory_is_tight)
+PREFLIGHT = (memory_will_not_fit, memory_is_tight, host_memory_will_not_fit)

@@ -59,7 +59,7 @@ def _kernel_problems(config: RLConfig | PreferenceConfig, model_dir: Path) -> li
     """``fsdp.kernels="liger"`` on a family rlkit does not swap Liger's kernels into."""
     if config.fsdp.kernels != "liger":
         return []
-    model_config, problem = _read_config(model_dir, config.trust_remote_code, f'model="{model_dir}"')
+    model_config, _ = _read_config(model_dir, config.trust_remote_code, f'model="{model_dir}"')
     if model_config is None:
         return []  # check_model_family reported it
     problem = liger_family_problem(model_config.model_type)

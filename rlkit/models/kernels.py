@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any
 
 import torch
 
@@ -39,8 +40,8 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
     them. ``model`` is a transformers model, or a peft model around one (the LoRA layers stay in the MLP)."""
     if kernels == "torch":
         return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = base.config.model_type
+    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+    model_type: str = base.config.model_type
     problem = liger_family_problem(model_type)
     if problem is not None:
         raise ValueError(problem)

@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -424,8 +425,11 @@ class Trainer(PolicyTrainerBase):
         if self.cluster.device != "cuda":
             return diagnostics.Findings([])
         gib = min(self.cluster.run(diagnostics.device_memory_gib))
+        hosts = self.cluster.run(diagnostics.host_memory)  # (name, GiB) per rank
         return diagnostics.preflight(
-            self.config, self.model_dir, world_size=self.cluster.world_size, device_memory_gib=gib
+            self.config, self.model_dir, world_size=self.cluster.world_size, device_memory_gib=gib,
+            host_memory_gib=min(total for _, total in hosts),
+            ranks_per_host=max(Counter(name for name, _ in hosts).values()),
         )
 
     # -- checkpoints ----------------------------------------------------------------------------
