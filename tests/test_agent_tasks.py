@@ -1,5 +1,5 @@
 """The bundled tasks of model="tiny-agent" (``rlkit.data.agent_tasks``): the weekday tool, the date and two-tool
-prompts."""
+prompts, and the bundled agent picking the tool a prompt needs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,15 @@ import datetime
 import re
 
 import pytest
+import torch
 
 from rlkit.data.agent_tasks import DATES, WEEKDAYS, calculator, date_prompts, tool_prompts, weekday
+from rlkit.data.tools import parse_hermes
+from rlkit.models import load_causal_lm, load_tokenizer
+from rlkit.models.tiny import TINY_AGENT_DIR
+
+TASKS = {"calculator": ("expression", "*"), "weekday": ("date", "-")}
+"""A tool of the two-tool task -> (its argument, the mark that only its prompts hold)."""
 
 
 def test_weekday_names_the_day_of_a_date_and_refuses_what_is_not_one():
@@ -36,3 +43,36 @@ def test_tool_prompts_mix_products_and_dates_each_answered_by_its_tool():
     products = sum("*" in c for c in contents)
     assert 150 < products < 250, f"about half are products: {products} of 400"
     assert [r["answer"] for r in rows] == [calculator(c) if "*" in c else weekday(c) for c in contents]
+
+
+@torch.no_grad()
+def first_turn_calls(tools: list, rows: list[dict]) -> list[list]:
+    """The tiny agent's first turn on each of ``rows`` with ``tools`` listed, sampled at temperature 1: its calls."""
+    tokenizer = load_tokenizer(TINY_AGENT_DIR)
+    model = load_causal_lm(TINY_AGENT_DIR, dtype=torch.float32, device=torch.device("cpu"))
+    texts = [tokenizer.apply_chat_template(r["prompt"], tools=tools, add_generation_prompt=True, tokenize=False)
+             for r in rows]  # fmt: skip
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=40, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    turns = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [parse_hermes(text) for text in turns]
+
+
+@pytest.mark.parametrize("order", [(calculator, weekday), (weekday, calculator)], ids=["calc-first", "weekday-first"])
+def test_with_two_tools_listed_the_tiny_agent_calls_the_one_each_prompt_needs(order):
+    """Sampled at temperature 1 (seeded) on 128 held-out prompts (70 products, 58 dates) with both tools listed:
+    the agent calls the prompt's own tool on its prompt on a clear share of each task, and the other tool never.
+    Measured over seeds 0-7, either order: 11-22 right calls on the products, 11-25 on the dates, none wrong (seed
+    0: 14 and 16). The agent built before the weekday tool made no right call at all."""
+    torch.manual_seed(0)
+    rows = tool_prompts(128, 11)
+    right = dict.fromkeys(TASKS, 0)
+    wrong = 0
+    for row, calls in zip(rows, first_turn_calls(list(order), rows), strict=True):
+        prompt = row["prompt"][0]["content"]
+        name = next(n for n, (_, mark) in TASKS.items() if mark in prompt)
+        right[name] += any(c.name == name and c.arguments == {TASKS[name][0]: prompt} for c in calls)
+        wrong += any(c.name != name for c in calls)
+    assert min(right.values()) >= 6, f"right calls on 70 products and 58 dates: {right}"
+    assert wrong <= 2, f"{wrong} prompts called the tool they do not need"
