@@ -1,5 +1,5 @@
 """The bundled tasks of model="tiny-agent" (``rlkit.data.agent_tasks``): the weekday tool, the date and two-tool
-prompts, and the bundled agent picking the tool a prompt needs."""
+prompts, the default task that offers both tools, and the bundled agent picking the tool a prompt needs."""
 
 from __future__ import annotations
 
@@ -43,6 +43,22 @@ def test_tool_prompts_mix_products_and_dates_each_answered_by_its_tool():
     products = sum("*" in c for c in contents)
     assert 150 < products < 250, f"about half are products: {products} of 400"
     assert [r["answer"] for r in rows] == [calculator(c) if "*" in c else weekday(c) for c in contents]
+
+
+def test_the_default_agent_task_offers_both_tools_and_given_tools_replace_them():
+    """model="tiny-agent" without data: products and dates, both tools listed in every prompt; tools given in
+    Python replace the bundled two."""
+    from rlkit.config import GRPOConfig
+    from rlkit.data import load_run_data
+
+    tokenizer = load_tokenizer(TINY_AGENT_DIR)
+    run = load_run_data(GRPOConfig(model="tiny-agent"), tokenizer)
+    assert run.agent is not None and [t.name for t in run.agent.tools] == ["calculator", "weekday"]
+    rows = run.train.next(16)
+    assert all("calculator(expression)\nweekday(date)" in r["prompt"] for r in rows), rows[0]["prompt"]
+    assert {r["answer"] in WEEKDAYS for r in rows} == {True, False}, "products and dates"
+    run = load_run_data(GRPOConfig(model="tiny-agent"), tokenizer, tools=[calculator])
+    assert run.agent is not None and [t.name for t in run.agent.tools] == ["calculator"]
 
 
 @torch.no_grad()
