@@ -111,18 +111,18 @@ def tools_called(batch: rlkit.data.Batch) -> set[tuple[str, str]]:
 @pytest.mark.timeout(400)
 def test_grpo_learns_to_call_the_tool_each_prompt_needs(cluster):
     """The bundled two-tool task (products and dates, the calculator and weekday listed): the tiny agent calls the
-    prompt's tool on about a third of the prompts at first; GRPO raises that and the reward within 20 steps, and
-    each task keeps to its own tool. Measured (lr 5e-4, 2 ranks) over steps 1-3 -> 18-20: tool use 0.33 -> 0.82
-    and reward 0.33 -> 0.64 at seed 0, 0.33-0.38 -> 0.80-0.86 and +0.28 to +0.31 over seeds 0-2; no product
-    called weekday, no date the calculator (at lr 1e-3 tool use rises faster, 0.92, but the reward less, 0.53, and
-    the calls start to break)."""
+    prompt's tool on about a third of the prompts at first; GRPO raises that and the reward within 30 steps, and
+    each task keeps to its own tool. Measured (lr 3e-4, 2 ranks) over steps 1-3 -> 28-30: tool use 0.32 -> 0.83
+    and reward 0.33 -> 0.54 at seed 0; over seeds 0-3 tool use 0.31-0.40 -> 0.80-0.84, reward +0.21 to +0.36;
+    no product called weekday, no date the calculator. At lr 5e-4 over 20 steps tool use rises as much, but late
+    steps copy the tool's result worse: with the notebook's prompts the reward went 0.31 -> 0.33."""
     config = rlkit.GRPOConfig(model="tiny-agent", seed=0, prompts_per_step=8, group_size=8, rollout=ROLLOUT,
-                              optim=rlkit.OptimConfig(lr=5e-4), agent=rlkit.AgentConfig(max_turns=2))  # fmt: skip
+                              optim=rlkit.OptimConfig(lr=3e-4), agent=rlkit.AgentConfig(max_turns=2))  # fmt: skip
     trainer = rlkit.Trainer(cluster, config)
-    history = trainer.fit(steps=20, progress=False)
+    history = trainer.fit(steps=30, progress=False)
     first, last = history.head(3).mean(), history.tail(3).mean()
     assert first["agent/tool_use_frac"] < 0.5 and last["agent/tool_use_frac"] > 0.7, history["agent/tool_use_frac"]
-    assert last["reward/mean"] > first["reward/mean"] + 0.15, history["reward/mean"]
+    assert last["reward/mean"] > first["reward/mean"] + 0.1, history["reward/mean"]
     called = tools_called(trainer.last_batch)
     assert {("product", "calculator"), ("date", "weekday")} <= called, called
     assert not called & {("product", "weekday"), ("date", "calculator")}, f"a task called the other's tool: {called}"
