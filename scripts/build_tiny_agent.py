@@ -112,14 +112,14 @@ class ToolTask:
     """(rng, the right answer) -> an answer made up without the tool."""
 
 
-PRODUCTS = ToolTask(
+PRODUCT_TASK = ToolTask(
     product_prompts,
     calculator,
     "expression",
     lambda rng, answer: str(rng.randint(10 ** (len(answer) - 1), 10 ** len(answer) - 1)),
 )
-DATES = ToolTask(date_prompts, weekday, "date", lambda rng, answer: rng.choice(WEEKDAYS))
-TASKS = (PRODUCTS, DATES)
+DATE_TASK = ToolTask(date_prompts, weekday, "date", lambda rng, answer: rng.choice(WEEKDAYS))
+TASKS = (PRODUCT_TASK, DATE_TASK)
 
 
 def offered(rng: random.Random, task: ToolTask) -> list[Callable[[str], str]]:
