@@ -302,8 +302,7 @@ def sample(model: Qwen2ForCausalLM, tokenizer: Qwen2Tokenizer, conversations: li
     """One assistant turn per conversation with ``tools`` listed, sampled at temperature 1 (text without the
     special tokens)."""
     texts = [
-        tokenizer.apply_chat_template(m, tools=tools or None, add_generation_prompt=True, tokenize=False)
-        for m in conversations
+        tokenizer.apply_chat_template(m, tools=tools, add_generation_prompt=True, tokenize=False) for m in conversations
     ]
     tokenizer.padding_side = "left"
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
