@@ -174,7 +174,7 @@ class TinkerService:
                              f"{session.save}, but save {model.saves} has been queued since: rlkit's sampler holds "
                              "only the latest saved weights; sample with the newest sampling client")  # fmt: skip
         prompt, num = _prompt_tokens(body["prompt"]), int(body.get("num_samples", 1))
-        kwargs = _sampling_kwargs(body.get("sampling_params", {}), model.client)
+        kwargs = _sampling_kwargs(body.get("sampling_params", {}))
         future = model.client.sample(prompt, num, **kwargs)
         reply = then(future, lambda seqs: Reply(200, tinker_wire.encode_sample_response(
             [(s.tokens, s.logprobs, s.stop_reason) for s in seqs]), tinker_wire.PROTO))  # fmt: skip
@@ -239,19 +239,17 @@ def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
     return [int(t) for c in prompt["chunks"] for t in c["tokens"]]
 
 
-def _sampling_kwargs(params: dict[str, Any], client: TrainingClient) -> dict[str, Any]:
-    """rlkit's sample() arguments from Tinker's SamplingParams; every unsupported setting is named at once."""
+def _sampling_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """rlkit's sample() arguments from Tinker's SamplingParams; every unsupported setting is named at once (``stop``,
+    token ids or strings, is checked by sample())."""
     problems = []
     if params.get("max_tokens") is None:
         problems.append("max_tokens is required")
     if params.get("top_k", -1) not in (-1, 0):
         problems.append(f"top_k={params['top_k']}: not supported (use top_p)")
-    eos = client.tokenizer.eos_token_id
-    stop = params.get("stop")
-    if stop is not None and (not stop or any(s != eos for s in stop)):
-        problems.append(f"stop={stop!r}: rlkit's sampler stops at end-of-text (token {eos}) only; leave stop unset")
     if problems:
         raise ValueError("sampling_params: " + "; ".join(problems))
     seed = params.get("seed")
     return {"max_tokens": int(params["max_tokens"]), "temperature": float(params.get("temperature", 1.0)),
-            "top_p": float(params.get("top_p", 1.0)), "seed": secrets.randbits(31) if seed is None else int(seed)}
+            "top_p": float(params.get("top_p", 1.0)), "seed": secrets.randbits(31) if seed is None else int(seed),
+            "stop": params.get("stop")}
