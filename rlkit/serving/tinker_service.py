@@ -1,6 +1,7 @@
 """What rlkit's Tinker server answers, endpoint by endpoint (no HTTP here: path + body in, :class:`Reply` out).
 
-Calls that queue work (create_model, forward_backward, optim_step, save_weights_for_sampler, asample) answer at
+Calls that queue work (create_model, forward_backward, optim_step, save_weights_for_sampler, save_weights,
+load_weights, asample) answer at
 once with a request id; the client polls ``retrieve_future``, which waits up to ``poll_s`` for the result. Any
 other path is refused at once, naming it.
 """
@@ -14,6 +15,7 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 from rlkit.config.primitives import PrimitivesConfig
@@ -47,8 +49,9 @@ def error_reply(status: int, message: str) -> Reply:
 class TinkerService:
     """The Tinker API over rlkit.TrainingClient (see the module docstring)."""
 
-    def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, poll_s: float = 10.0):
-        self.models = ServedModels(target, config)
+    def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, state_dir: Path,
+                 poll_s: float = 10.0):  # fmt: skip
+        self.models = ServedModels(target, config, state_dir)
         self.pending = PendingRequests()
         self.poll_s = poll_s
         self._ids = itertools.count(1)
@@ -65,6 +68,8 @@ class TinkerService:
             ("POST", "get_info"): self._get_info,
             ("POST", "optim_step"): self._optim_step,
             ("POST", "save_weights_for_sampler"): self._save_weights_for_sampler,
+            ("POST", "save_weights"): self._save_weights,
+            ("POST", "load_weights"): self._load_weights,
             ("POST", "create_sampling_session"): self._create_sampling_session,
             ("POST", "asample"): self._asample,
             ("POST", "retrieve_future"): self._retrieve_future,
@@ -163,6 +168,32 @@ class TinkerService:
             self.models.add_session(session_id, SamplingSession(model.model_id, model.saves, path))
             answer = {"path": path} if path else {"sampling_session_id": session_id}
             return then(done, lambda _: json_reply({**answer, "type": "save_weights_for_sampler"}))
+
+        return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
+
+    def _save_weights(self, body: dict[str, Any]) -> Reply:
+        """Tinker's ``save_state``: the client's :meth:`~rlkit.TrainingClient.save_state` into the server's folder."""
+        model = self.models.model(body["model_id"])
+
+        def start() -> Future[Reply]:  # checked in its turn, so a refusal still gives the turn up
+            path, folder = self.models.state_path(model.model_id, body.get("path"))
+            if folder.exists() and not body.get("overwrite"):
+                raise ValueError(f"{path} exists: save under another name, or pass overwrite=True")
+            return then(model.client.save_state(folder), lambda _: json_reply({"path": path, "type": "save_weights"}))
+
+        return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
+
+    def _load_weights(self, body: dict[str, Any]) -> Reply:
+        """Tinker's ``load_state`` (``optimizer``: ``load_state_with_optimizer``) onto an existing model."""
+        if not body.get("model_id"):
+            raise ValueError("load_weights without a model_id (create_training_client_from_state): not served; "
+                             "create_lora_training_client with the same rank, then load_state(path)")  # fmt: skip
+        model = self.models.model(body["model_id"])
+
+        def start() -> Future[Reply]:
+            folder = self.models.state_folder(body["path"])
+            return then(model.client.load_state(folder, optimizer=bool(body["optimizer"])), lambda _: json_reply(
+                {"path": body["path"], "model_id": model.model_id, "type": "load_weights"}))  # fmt: skip
 
         return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
 
