@@ -273,7 +273,8 @@ TRAJECTORY_CELLS = [
 
 @pytest.mark.timeout(300)
 def test_a_multi_turn_trajectory_in_chromium(lab, page):
-    """TrajectoryView's widget in JupyterLab: turns with the calculator's call and result; kept as a screenshot."""
+    """TrajectoryView's widget in JupyterLab: turns with a tool's call and result (the first page: weekday calls on a
+    date, at seed 0); kept as a screenshot."""
     import nbformat
 
     kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}

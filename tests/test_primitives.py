@@ -147,3 +147,62 @@ def test_the_sampler_samples_the_saved_weights_with_the_trainers_log_probs(clust
     assert len(table) == 9 and list(table["sampler_step"]) == [0] * 6 + [1] * 3
     assert (table["logprob_gap/mean"].iloc[6:] < 1e-4).all()  # sampler and trainer at the same step
     assert (table["logprob_gap/mean"].iloc[3:6] > 1e-3).all()  # the trainer moved on, the sampler did not
+
+
+def test_stop_sequences_cut_each_completion_after_its_first_stop_and_keep_it(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    prompt, decode = [5, 17, 42, 9], client.tokenizer.decode
+    full = client.sample(prompt, 8, max_tokens=10, seed=2, temperature=3.0).result()  # same seed: same draws
+    longest = max(range(8), key=lambda i: len(full[i].tokens))
+    assert len(full[longest].tokens) >= 4
+    stop_token, stop_text = full[longest].tokens[2], decode(full[longest].tokens[1:3])
+    cases = {"tokens": client.sample(prompt, 8, max_tokens=10, seed=2, temperature=3.0, stop=[stop_token]),
+             "text": client.sample(prompt, 8, max_tokens=10, seed=2, temperature=3.0, stop=stop_text)}  # fmt: skip
+    for kind, future in cases.items():
+        for whole, cut in zip(full, future.result(), strict=True):
+            n = len(cut.tokens)
+            assert cut.tokens == whole.tokens[:n] and cut.logprobs == whole.logprobs[:n], kind
+            hit = stop_token in cut.tokens if kind == "tokens" else stop_text in decode(cut.tokens)
+            earlier = stop_token in cut.tokens[:-1] if kind == "tokens" else stop_text in decode(cut.tokens[:-1])
+            assert not earlier, f"{kind}: cut after a later stop"
+            assert cut.stop_reason == ("stop" if hit else whole.stop_reason), kind
+            assert hit or cut.tokens == whole.tokens, f"{kind}: cut without a stop"
+    for future in cases.values():
+        cut = future.result()[longest]
+        assert len(cut.tokens) <= 3 and cut.stop_reason == "stop"
+    with pytest.raises(ValueError, match="not a mix") as err:
+        client.sample(prompt, 1, stop=[3, "x"])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        client.sample(prompt, 1, stop=[10**6])
+    assert "stop" in str(err.value)
+
+
+def test_load_state_restores_the_saved_adapters_and_adamw_so_the_next_step_repeats(cluster, tmp_path):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    ce, is_ = data()
+    client.forward_backward(ce, "cross_entropy")
+    client.optim_step(ADAM)  # AdamW's moments are not zero from here on
+    saved = client.save_state(tmp_path / "state").result()
+    at_save = cluster.run(actor_adapters)[0]
+    client.forward_backward(is_, "importance_sampling")
+    first = client.optim_step(ADAM).result()
+    after_first = cluster.run(actor_adapters)[0]
+    client.forward_backward(ce, "cross_entropy")  # pending gradients, which the load drops
+    client.load_state(saved).result()
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        torch.testing.assert_close(tensor, at_save[name], rtol=0, atol=0, msg=name)
+        assert not torch.equal(tensor, after_first[name]), f"{name}: the step after the save did not move it"
+    client.forward_backward(is_, "importance_sampling")
+    again = client.optim_step(ADAM).result()
+    assert again.grad_norm == pytest.approx(first.grad_norm, rel=1e-6) and again.step == first.step == 2
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        torch.testing.assert_close(tensor, after_first[name], rtol=1e-6, atol=1e-7, msg=name)
+    client.load_state(saved, optimizer=False).result()  # a fresh AdamW: the same gradient moves them otherwise
+    client.forward_backward(is_, "importance_sampling")
+    client.optim_step(ADAM).result()
+    fresh = cluster.run(actor_adapters)[0]
+    assert any(not torch.allclose(fresh[n], after_first[n], rtol=1e-4, atol=1e-6) for n in fresh)
+    wider = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=rlkit.LoraConfig(rank=8, alpha=8.0)))
+    with pytest.raises(ValueError, match="lora_rank=4 there, 8 here"):
+        wider.load_state(saved).result()

@@ -105,13 +105,39 @@ def test_the_sdks_sampling_client_samples_the_saved_weights_with_the_trainers_lo
 
 def test_an_unserved_endpoint_is_refused_at_once_by_name_and_later_calls_still_run(server, training):
     started = time.monotonic()
-    with pytest.raises(tinker.NotFoundError, match="does not serve POST /api/v1/save_weights"):
-        training.save_state("checkpoint").result()  # takes a seq_id turn, which the refusal gives up
+    with pytest.raises(tinker.NotFoundError, match="does not serve POST /api/v1/save_weights_external"):
+        training.save_weights_external("checkpoint").result()  # takes a seq_id turn, which the refusal gives up
     assert time.monotonic() - started < 5
     out = training.forward([to_tinker(data()[0][0])], "cross_entropy").result(timeout=60)
     assert out.metrics["loss:sum"] > 0
     status, body = post(server, "/api/v1/unload_model", {}, server.api_key)
     assert status == 404 and "does not serve POST /api/v1/unload_model" in body["error"]
+
+
+def test_the_sdks_save_state_and_load_state_restore_the_adapters_and_adamw(training, cluster):
+    adam = tinker.types.AdamParams(learning_rate=1e-2)
+    ce, is_ = ([to_tinker(d) for d in part] for part in data())
+    training.forward_backward(ce, "cross_entropy")
+    training.optim_step(adam)
+    saved = training.save_state("after-one").result().path
+    at_save = cluster.run(actor_adapters)[0]
+    training.forward_backward(is_, "importance_sampling")
+    first = training.optim_step(adam).result().metrics
+    after_first = cluster.run(actor_adapters)[0]
+    training.load_state_with_optimizer(saved).result()
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        assert torch.equal(tensor, at_save[name]) and not torch.equal(tensor, after_first[name]), name
+    training.forward_backward(is_, "importance_sampling")
+    again = training.optim_step(adam).result().metrics
+    assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-6) and again["step"] == first["step"]
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        torch.testing.assert_close(tensor, after_first[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert saved.endswith("/weights/after-one")
+    with pytest.raises(Exception, match="exists: save under another name"):
+        training.save_state("after-one").result()
+    with pytest.raises(Exception, match="no state saved under that path"):
+        training.load_state(saved + "-missing").result()
+    assert training.forward(ce[:1], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0  # turns given up
 
 
 def test_a_wrong_api_key_is_refused(server):

@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="where to listen (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="0: a free port (default 8000)")
     p.add_argument("--allow-remote", action="store_true", help="allow a --host other machines can reach")
+    p.add_argument("--state-dir", default=None, help="where save_state writes (default: a new temporary folder)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -40,7 +41,7 @@ def serve(args: argparse.Namespace) -> int:
     cluster = launch(world_size=args.world_size, device=args.device)
     try:
         with serve_tinker(cluster, config=config, host=args.host, port=args.port,
-                          allow_remote=args.allow_remote) as server:  # fmt: skip
+                          allow_remote=args.allow_remote, state_dir=args.state_dir) as server:  # fmt: skip
             print(f"Tinker API at {server.url}\napi_key: {server.api_key}\n"
                   f"tinker.ServiceClient(base_url={server.url!r}, api_key=<api_key>); Ctrl-C stops", flush=True)
             stop.wait()

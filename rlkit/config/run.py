@@ -42,7 +42,7 @@ class RLConfig:
 
     algorithm: ClassVar[str] = ""
     model: str = "tiny"
-    """"tiny" (the bundled model and task), "tiny-agent" (the bundled multi-turn model and its calculator task) or a
+    """"tiny" (the bundled model and task), "tiny-agent" (the bundled multi-turn model and its two-tool task) or a
     local Hugging Face model directory."""
     seed: int = 0
     """Seed for prompts, sampling and initialisation; same seed, same run."""

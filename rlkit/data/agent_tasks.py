@@ -1,15 +1,21 @@
-"""The bundled multi-turn tasks of ``model="tiny-agent"``: products with a calculator tool, and guess-the-number.
+"""The bundled multi-turn tasks of ``model="tiny-agent"``: products and dates with a tool each, and guess-the-number.
 
 - Products: a prompt such as ``"482*37"`` (3-digit times 2-digit). The tiny model cannot multiply, but it
   was pre-trained (``scripts/build_tiny_agent.py``) to call :func:`calculator` in the Hermes format now
   and then and to copy its result into the answer; otherwise it guesses. :func:`answer_reward` pays the
   exact product, so RL raises the share of trajectories that call the tool, and the reward with it.
+- Dates: a prompt such as ``"1987-06-23"``, answered by its day of the week, which the tiny model cannot work
+  out either: it calls :func:`weekday` now and then, else it guesses a day (right one time in seven).
+- Both at once (:func:`tool_prompts` with ``tools=[calculator, weekday]``, the task of model="tiny-agent" without
+  data): the model was pre-trained with one or both tools listed, in either order, so it picks the tool that
+  the prompt needs by its name, and answers without a call when that tool is not listed.
 - Guess-the-number (:class:`GuessNumber`): an environment without tools; each model turn is a guess,
   the environment answers "higher", "lower" or "correct" and pays 1 for the right number.
 """
 
 from __future__ import annotations
 
+import datetime
 import operator
 import random
 import re
@@ -19,6 +25,9 @@ OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 GUESS_HIGH = 99
 """Guess-the-number's secret is a whole number in 1..GUESS_HIGH."""
 GUESS_PROMPT = f"guess 1-{GUESS_HIGH}"
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+DATES = (datetime.date(1900, 1, 1), datetime.date(2099, 12, 31))
+"""The first and last days of :func:`date_prompts`."""
 
 
 def calculator(expression: str) -> str:
@@ -34,6 +43,19 @@ def calculator(expression: str) -> str:
     return str(OPERATIONS[op](int(a), int(b)))
 
 
+def weekday(date: str) -> str:
+    """The day of the week of a date, in English.
+
+    Args:
+        date: a date written year-month-day, e.g. "2026-12-04".
+    """
+    try:
+        day = datetime.date.fromisoformat(date.strip())
+    except ValueError:
+        raise ValueError(f"weekday takes a date written year-month-day such as 2026-12-04, got {date!r}") from None
+    return WEEKDAYS[day.weekday()]
+
+
 def product_prompts(n: int, seed: int, *, digits: tuple[int, int] = (3, 2)) -> list[dict[str, Any]]:
     """``n`` rows ``{"prompt": [user message "a*b"], "answer": "a*b"}``; ``a`` and ``b`` have ``digits`` digits."""
     rng = random.Random(seed)
@@ -42,6 +64,23 @@ def product_prompts(n: int, seed: int, *, digits: tuple[int, int] = (3, 2)) -> l
         a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for d in digits)
         rows.append({"prompt": [{"role": "user", "content": f"{a}*{b}"}], "answer": str(a * b)})
     return rows
+
+
+def date_prompts(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows ``{"prompt": [user message "YYYY-MM-DD"], "answer": its weekday}``, days drawn from ``DATES``."""
+    rng = random.Random(seed)
+    first, last = (d.toordinal() for d in DATES)
+    days = [datetime.date.fromordinal(rng.randint(first, last)) for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": d.isoformat()}], "answer": WEEKDAYS[d.weekday()]} for d in days]
+
+
+def tool_prompts(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows of the two-tool task: products (:func:`product_prompts`, for :func:`calculator`) and dates
+    (:func:`date_prompts`, for :func:`weekday`), each row either with probability 1/2."""
+    rng = random.Random(seed)
+    products = iter(product_prompts(n, rng.randrange(2**31)))
+    dates = iter(date_prompts(n, rng.randrange(2**31)))
+    return [next(products if rng.random() < 0.5 else dates) for _ in range(n)]
 
 
 def answer_reward(prompts: list[Any], completions: list[str], *, answer: list[str], **fields: Any) -> list[float]:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 TASK_FIELDS = ["answer"]
 """The fields of the bundled addition task's rows (model="tiny" without data)."""
 AGENT_TASK_PROMPTS = 4096
-"""Prompts of the bundled product task (model="tiny-agent" without data), drawn from the run's seed."""
+"""Prompts of the bundled two-tool task (model="tiny-agent" without data), drawn from the run's seed."""
 
 
 @dataclass
@@ -100,9 +100,9 @@ def load_run_data(
     TOML file's folder), then the CWD.
 
     model="tiny" without data files or prompts trains on the bundled addition task, scored by
-    ``addition_reward`` unless rewards are given. model="tiny-agent" without them trains on the bundled product
-    task (rlkit.data.agent_tasks): the calculator tool unless tools or an environment are given, scored by
-    ``answer_reward`` unless rewards are given.
+    ``addition_reward`` unless rewards are given. model="tiny-agent" without them trains on the bundled two-tool
+    task (rlkit.data.agent_tasks: products and dates): the calculator and weekday tools unless tools or an
+    environment are given, scored by ``answer_reward`` unless rewards are given.
 
     Raises:
         ConfigError: every problem of the data and the rewards at once, each naming the setting and the fix.
@@ -139,10 +139,11 @@ def load_run_data(
 def _bundled_agent_task(
     config: RLConfig, tools: list[Any] | None, environment: Any, reward_fn: Any
 ) -> tuple[list[dict[str, Any]], list[Any] | None, Any]:
-    """model="tiny-agent" without data: the product prompts, the calculator unless tools or an environment are
-    given, and ``answer_reward`` unless rewards are."""
-    prompts = agent_tasks.product_prompts(AGENT_TASK_PROMPTS, config.seed)
-    tools = tools if tools or environment is not None or config.tools else [agent_tasks.calculator]
+    """model="tiny-agent" without data: products and dates, the calculator and weekday tools unless tools or an
+    environment are given, and ``answer_reward`` unless rewards are."""
+    prompts = agent_tasks.tool_prompts(AGENT_TASK_PROMPTS, config.seed)
+    bundled = [agent_tasks.calculator, agent_tasks.weekday]
+    tools = tools if tools or environment is not None or config.tools else bundled
     reward_fn = reward_fn if reward_fn is not None or config.rewards else agent_tasks.answer_reward
     return prompts, tools, reward_fn
 

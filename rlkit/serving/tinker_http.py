@@ -14,8 +14,10 @@ import hmac
 import ipaddress
 import logging
 import secrets
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.runtime.cluster import Cluster
@@ -54,7 +56,7 @@ class TinkerServer:
 
 def serve_tinker(target: Cluster | TrainingClient, *, config: PrimitivesConfig | None = None,
                  host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False, api_key: str | None = None,
-                 poll_s: float = 10.0) -> TinkerServer:  # fmt: skip
+                 poll_s: float = 10.0, state_dir: str | Path | None = None) -> TinkerServer:  # fmt: skip
     """Serve the Tinker SDK's LoRA train + sample API over ``target``.
 
     Args:
@@ -65,16 +67,19 @@ def serve_tinker(target: Cluster | TrainingClient, *, config: PrimitivesConfig |
         host, port: where to listen (port 0: a free one). A non-loopback host needs ``allow_remote=True``.
         api_key: the key every request must carry (default: a new random "tml-..." key).
         poll_s: how long one ``retrieve_future`` waits for a result before asking the client to poll again.
+        state_dir: where ``save_state`` writes (``<state_dir>/<model id>/<name>``, on a filesystem every rank sees);
+            default: a new temporary folder, logged, which the server leaves in place.
     """
     problems = serve_problems(host, allow_remote, api_key, poll_s)
     if problems:
         raise ValueError("serve_tinker: " + "; ".join(problems))
     key = api_key or f"tml-{secrets.token_urlsafe(32)}"
-    service = TinkerService(target, config if config is not None else PrimitivesConfig(), poll_s=poll_s)
+    states = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="rlkit-tinker-states-"))
+    service = TinkerService(target, config if config is not None else PrimitivesConfig(), states, poll_s=poll_s)
     httpd = ThreadingHTTPServer((host, port), _handler(service, key))
     httpd.daemon_threads = True
     server = TinkerServer(httpd, host, service, key)
-    logger.info("Tinker API served at %s", server.url)
+    logger.info("Tinker API served at %s; save_state writes into %s", server.url, states)
     return server
 
 

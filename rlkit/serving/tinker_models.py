@@ -4,14 +4,19 @@ the ``seq_id`` order of its calls, and which saved weights each sampling session
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.models import resolve_model_dir
 from rlkit.runtime.cluster import Cluster
 from rlkit.serving.futures import SeqOrder
 from rlkit.trainer.primitives import TrainingClient
+
+_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
+_STATE_PATH = re.compile(r"^tinker://(?P<model>[^/]+)/weights/(?P<name>[^/]+)$")
 
 
 @dataclass
@@ -39,10 +44,11 @@ class SamplingSession:
 
 class ServedModels:
     """The models and sampling sessions of one server, over a cluster (a new model replaces the last one: one
-    owner's roles live on a cluster at a time) or over one given rlkit.TrainingClient."""
+    owner's roles live on a cluster at a time) or over one given rlkit.TrainingClient; ``save_state`` folders
+    under ``state_dir``."""
 
-    def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig):
-        self.target, self.config = target, config
+    def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, state_dir: Path):
+        self.target, self.config, self.state_dir = target, config, state_dir
         self._lock = threading.Lock()
         self._models: dict[str, ServedModel] = {}
         self._current: str | None = None
@@ -115,6 +121,21 @@ class ServedModels:
         if not found:
             raise ValueError(f"model_path={model_path!r}: no weights saved under that path on this server")
         return found[0]
+
+    def state_path(self, model_id: str, name: str | None) -> tuple[str, Path]:
+        """The ``tinker://<model_id>/weights/<name>`` path of a ``save_state`` and its folder."""
+        if not name or not _NAME.match(name):
+            raise ValueError(f"save_state name={name!r}: give letters, digits, '.', '_' or '-', not starting with '.'")
+        return f"tinker://{model_id}/weights/{name}", self.state_dir / model_id.replace(":", "_") / name
+
+    def state_folder(self, tinker_path: str) -> Path:
+        """The folder of a ``tinker://<model_id>/weights/<name>`` path this server saved (ValueError otherwise)."""
+        found = _STATE_PATH.match(tinker_path)
+        folder = self.state_path(found["model"], found["name"])[1] if found else None
+        if folder is None or not folder.is_dir():
+            raise ValueError(f"path={tinker_path!r}: no state saved under that path on this server (save_state "
+                             "returns the tinker://<model>/weights/<name> paths it serves)")  # fmt: skip
+        return folder
 
     def close(self) -> None:
         """Finish the queued calls of the clients this server built."""

@@ -1,6 +1,7 @@
 """What rlkit's Tinker server answers, endpoint by endpoint (no HTTP here: path + body in, :class:`Reply` out).
 
-Calls that queue work (create_model, forward_backward, optim_step, save_weights_for_sampler, asample) answer at
+Calls that queue work (create_model, forward_backward, optim_step, save_weights_for_sampler, save_weights,
+load_weights, asample) answer at
 once with a request id; the client polls ``retrieve_future``, which waits up to ``poll_s`` for the result. Any
 other path is refused at once, naming it.
 """
@@ -14,6 +15,7 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 from rlkit.config.primitives import PrimitivesConfig
@@ -47,8 +49,9 @@ def error_reply(status: int, message: str) -> Reply:
 class TinkerService:
     """The Tinker API over rlkit.TrainingClient (see the module docstring)."""
 
-    def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, poll_s: float = 10.0):
-        self.models = ServedModels(target, config)
+    def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, state_dir: Path,
+                 poll_s: float = 10.0):  # fmt: skip
+        self.models = ServedModels(target, config, state_dir)
         self.pending = PendingRequests()
         self.poll_s = poll_s
         self._ids = itertools.count(1)
@@ -65,6 +68,8 @@ class TinkerService:
             ("POST", "get_info"): self._get_info,
             ("POST", "optim_step"): self._optim_step,
             ("POST", "save_weights_for_sampler"): self._save_weights_for_sampler,
+            ("POST", "save_weights"): self._save_weights,
+            ("POST", "load_weights"): self._load_weights,
             ("POST", "create_sampling_session"): self._create_sampling_session,
             ("POST", "asample"): self._asample,
             ("POST", "retrieve_future"): self._retrieve_future,
@@ -166,6 +171,32 @@ class TinkerService:
 
         return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
 
+    def _save_weights(self, body: dict[str, Any]) -> Reply:
+        """Tinker's ``save_state``: the client's :meth:`~rlkit.TrainingClient.save_state` into the server's folder."""
+        model = self.models.model(body["model_id"])
+
+        def start() -> Future[Reply]:  # checked in its turn, so a refusal still gives the turn up
+            path, folder = self.models.state_path(model.model_id, body.get("path"))
+            if folder.exists() and not body.get("overwrite"):
+                raise ValueError(f"{path} exists: save under another name, or pass overwrite=True")
+            return then(model.client.save_state(folder), lambda _: json_reply({"path": path, "type": "save_weights"}))
+
+        return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
+
+    def _load_weights(self, body: dict[str, Any]) -> Reply:
+        """Tinker's ``load_state`` (``optimizer``: ``load_state_with_optimizer``) onto an existing model."""
+        if not body.get("model_id"):
+            raise ValueError("load_weights without a model_id (create_training_client_from_state): not served; "
+                             "create_lora_training_client with the same rank, then load_state(path)")  # fmt: skip
+        model = self.models.model(body["model_id"])
+
+        def start() -> Future[Reply]:
+            folder = self.models.state_folder(body["path"])
+            return then(model.client.load_state(folder, optimizer=bool(body["optimizer"])), lambda _: json_reply(
+                {"path": body["path"], "model_id": model.model_id, "type": "load_weights"}))  # fmt: skip
+
+        return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
+
     def _asample(self, body: dict[str, Any]) -> Reply:
         session = self.models.session(body["sampling_session_id"])
         model = self.models.model(session.model_id)
@@ -174,7 +205,7 @@ class TinkerService:
                              f"{session.save}, but save {model.saves} has been queued since: rlkit's sampler holds "
                              "only the latest saved weights; sample with the newest sampling client")  # fmt: skip
         prompt, num = _prompt_tokens(body["prompt"]), int(body.get("num_samples", 1))
-        kwargs = _sampling_kwargs(body.get("sampling_params", {}), model.client)
+        kwargs = _sampling_kwargs(body.get("sampling_params", {}))
         future = model.client.sample(prompt, num, **kwargs)
         reply = then(future, lambda seqs: Reply(200, tinker_wire.encode_sample_response(
             [(s.tokens, s.logprobs, s.stop_reason) for s in seqs]), tinker_wire.PROTO))  # fmt: skip
@@ -239,19 +270,17 @@ def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
     return [int(t) for c in prompt["chunks"] for t in c["tokens"]]
 
 
-def _sampling_kwargs(params: dict[str, Any], client: TrainingClient) -> dict[str, Any]:
-    """rlkit's sample() arguments from Tinker's SamplingParams; every unsupported setting is named at once."""
+def _sampling_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """rlkit's sample() arguments from Tinker's SamplingParams; every unsupported setting is named at once (``stop``,
+    token ids or strings, is checked by sample())."""
     problems = []
     if params.get("max_tokens") is None:
         problems.append("max_tokens is required")
     if params.get("top_k", -1) not in (-1, 0):
         problems.append(f"top_k={params['top_k']}: not supported (use top_p)")
-    eos = client.tokenizer.eos_token_id
-    stop = params.get("stop")
-    if stop is not None and (not stop or any(s != eos for s in stop)):
-        problems.append(f"stop={stop!r}: rlkit's sampler stops at end-of-text (token {eos}) only; leave stop unset")
     if problems:
         raise ValueError("sampling_params: " + "; ".join(problems))
     seed = params.get("seed")
     return {"max_tokens": int(params["max_tokens"]), "temperature": float(params.get("temperature", 1.0)),
-            "top_p": float(params.get("top_p", 1.0)), "seed": secrets.randbits(31) if seed is None else int(seed)}
+            "top_p": float(params.get("top_p", 1.0)), "seed": secrets.randbits(31) if seed is None else int(seed),
+            "stop": params.get("stop")}

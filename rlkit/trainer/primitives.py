@@ -16,10 +16,12 @@ One thread runs the calls in the order they were made (Tinker's ``seq_id`` order
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import pandas as pd
@@ -30,13 +32,17 @@ from rlkit.config.primitives import PrimitivesConfig
 from rlkit.data.datum import Datum, datum_problems, pad_data
 from rlkit.models import load_tokenizer, resolve_model_dir
 from rlkit.rollout import SamplingParams
+from rlkit.rollout.stops import StopSequences
 from rlkit.runtime import PerRank, RoleGroup, RoleOwner
 from rlkit.runtime.cluster import Cluster
+from rlkit.trainer.checkpoints import written_in_place
 from rlkit.workers.primitives import AdamStep, OptimResult, PrimitivesWorker
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+STATE_META = "client.json"
+"""In a save_state folder: the model directory, the LoRA rank and the optimizer steps taken."""
 
 
 @dataclass
@@ -61,7 +67,7 @@ class SampledSequence:
     logprobs: list[float]
     """The sampler's log-probs of ``tokens``."""
     stop_reason: str
-    """"stop" (end-of-text) or "length"."""
+    """"stop" (end-of-text or a stop sequence) or "length"."""
 
 
 @dataclass
@@ -118,10 +124,18 @@ class TrainingClient:
         return self._submit(self._sync)
 
     def sample(self, prompt: Sequence[int], num_samples: int = 1, *, max_tokens: int = 16, temperature: float = 1.0,
-               top_p: float = 1.0, seed: int | None = None) -> Future[list[SampledSequence]]:  # fmt: skip
+               top_p: float = 1.0, seed: int | None = None,
+               stop: str | Sequence[str] | Sequence[int] | None = None) -> Future[list[SampledSequence]]:  # fmt: skip
         """Queue ``num_samples`` completions of ``prompt`` (token ids) with the sampler's weights (those of the last
-        :meth:`save_weights_for_sampler`). The trainer's log-probs of each completion are kept for :meth:`rollouts`."""
+        :meth:`save_weights_for_sampler`). The trainer's log-probs of each completion are kept for :meth:`rollouts`.
+
+        ``stop``: token ids or strings that end a completion besides end-of-text; it ends with the first one, which
+        it keeps (:class:`rlkit.rollout.stops.StopSequences`)."""
         problems = []
+        try:
+            stops = StopSequences.parse(stop, len(self.tokenizer))
+        except ValueError as exc:
+            problems.append(str(exc))
         if not 1 <= len(prompt) <= self.config.max_prompt_tokens:
             problems.append(f"prompt of {len(prompt)} tokens: give 1 to max_prompt_tokens="
                             f"{self.config.max_prompt_tokens}")  # fmt: skip
@@ -134,7 +148,19 @@ class TrainingClient:
             raise ValueError("sample: " + "; ".join(problems))
         params = SamplingParams(n=num_samples, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 seed=self.config.seed if seed is None else seed)  # fmt: skip
-        return self._submit(lambda: self._sample(list(prompt), params))
+        return self._submit(lambda: self._sample(list(prompt), params, stops))
+
+    def save_state(self, path: str | Path) -> Future[Path]:
+        """Queue a checkpoint of the adapters and AdamW's moments (Tinker's ``save_state``) into the folder ``path``,
+        written atomically (a folder already there is replaced only once the new one is complete). Every rank writes
+        its own shards, so ``path`` must be on a filesystem all ranks see. The result: the folder."""
+        return self._submit(lambda: self._save_state(Path(path).resolve()))
+
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> Future[None]:
+        """Queue the restore of a :meth:`save_state` folder: the adapters and, with ``optimizer``, AdamW's moments
+        (Tinker's ``load_state_with_optimizer``; without: ``load_state``, a fresh AdamW). Gradients accumulated
+        since the last :meth:`optim_step` are dropped. A folder of another model or LoRA rank fails the future."""
+        return self._submit(lambda: self._load_state(Path(path).resolve(), optimizer))
 
     # -- diagnostics (after the queued calls) -----------------------------------------------------
 
@@ -196,13 +222,35 @@ class TrainingClient:
         self._sampler_step = self._step
         return loaded
 
-    def _sample(self, prompt: list[int], params: SamplingParams) -> list[SampledSequence]:
+    def _save_state(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with written_in_place(path) as partial:
+            self._role.call(PrimitivesWorker.save_state, str(partial))
+            meta = {"model": str(self.model_dir), "lora_rank": self.config.lora.rank, "step": self._step}
+            (partial / STATE_META).write_text(json.dumps(meta))
+        return path
+
+    def _load_state(self, path: Path, optimizer: bool) -> None:
+        if not (path / STATE_META).is_file():
+            raise ValueError(f"{path}: not a folder written by save_state (no {STATE_META})")
+        meta = json.loads((path / STATE_META).read_text())
+        problems = [f"{key}={meta[key]!r} there, {mine!r} here" for key, mine in
+                    (("model", str(self.model_dir)), ("lora_rank", self.config.lora.rank)) if meta[key] != mine]
+        if problems:
+            raise ValueError(f"load_state {path}: a checkpoint of another client (" + "; ".join(problems) +
+                             "); load it into a TrainingClient with that model and LoRA rank")  # fmt: skip
+        self._role.call(PrimitivesWorker.load_state, str(path), optimizer, int(meta["step"]))
+        self._step = int(meta["step"])
+
+    def _sample(self, prompt: list[int], params: SamplingParams, stops: StopSequences) -> list[SampledSequence]:
         world = self.cluster.world_size
         prompts = [torch.tensor([prompt])] + [torch.zeros(0, len(prompt), dtype=torch.long)] * (world - 1)
         rows = self._role.call(PrimitivesWorker.sample, PerRank(prompts), params)[0]
         sequences = []
         for i, reason in enumerate(rows.finish_reason):
             n = int(rows.response_mask[i].sum())
+            cut = stops.cut(rows.response_ids[i, :n].tolist(), self.tokenizer.decode) if stops else None
+            n, reason = (n, reason) if cut is None else (cut, "stop")
             sequences.append(SampledSequence(tokens=rows.response_ids[i, :n].tolist(),
                                              logprobs=rows.logprobs[i, :n].tolist(), stop_reason=reason))  # fmt: skip
         scored = self._forward([_scoring_datum(prompt, s.tokens) for s in sequences], "cross_entropy", None, False)

@@ -171,6 +171,20 @@ class PrimitivesWorker(ActorRole):
         return SampledRows(response_ids=gen.response_ids.cpu(), response_mask=gen.response_mask.cpu(),
                            logprobs=gen.logprobs.cpu(), finish_reason=gen.finish_reason)  # fmt: skip
 
+    def save_state(self, directory: str) -> None:
+        """This rank's shards of the adapters and AdamW's moments, its schedule and RNG (:meth:`ActorRole.save`);
+        gradients accumulated since the last optimizer step are not saved."""
+        self.save(directory, export_hf_weights=False)
+
+    def load_state(self, directory: str, optimizer: bool, steps: int) -> None:
+        """Restore :meth:`save_state`'s adapters, with ``optimizer`` AdamW's moments too (else a fresh AdamW), and the
+        step count ``steps``; gradients accumulated since the last optimizer step are dropped."""
+        self.load(directory)
+        if not optimizer:
+            self.actor.optimizer.state.clear()
+        self.actor.optimizer.zero_grad(set_to_none=True)
+        self.pending, self.steps = 0, steps
+
     def others(self) -> dict[str, torch.nn.Module]:
         engine = getattr(self.engine, "model", None)
         return {"engine": engine} if isinstance(engine, torch.nn.Module) else {}
