@@ -9,6 +9,11 @@ over the peer's training part (TRL's step minus its generation; verl's update), 
 Ratios of two runs that alternated in one process (rlkit's engine and bare vLLM, update variants) are paired:
 the ratio of the medians and the range of the per-step ratios. Ratios of runs in different processes are
 unpaired: the ratio of the medians, the range from min/max to max/min and the same from the quartiles.
+
+rlkit's sync and engine-sleep seconds depend on whether its vLLM engine stayed awake through the update
+(``rollout.sleep="auto"`` decides by the room left on the device): each rlkit record's state is printed, and two
+records of one workload in different states are named, since their sync and sleep columns do not compare (the
+0.043 s -> 0.33 s "regression" of 2026-12-03 was a bench engine taking the room, not a change in rlkit).
 """
 
 from __future__ import annotations
@@ -71,6 +76,24 @@ def ratios(records: list[dict]) -> dict[str, dict]:
     return out
 
 
+def engine_awake(record: dict) -> str | None:
+    """"awake" / "asleep" through the last update (rlkit's vLLM records), else None."""
+    state = record["figures"].get("engine_state", {}).get("awake_through_last_update")
+    return None if state is None else ("awake" if state == "True" else "asleep")
+
+
+def sleep_states(records: list[dict]) -> list[str]:
+    """Each rlkit record's engine state, and a warning for each workload whose records differ in it."""
+    states = {r["label"]: (workload(r), engine_awake(r)) for r in records if engine_awake(r) is not None}
+    lines = [f"  {label}: engine {state} through the update" for label, (_, state) in states.items()]
+    for load in {w for w, _ in states.values()}:
+        seen = {label: state for label, (w, state) in states.items() if w == load}
+        if len(set(seen.values())) > 1:
+            lines.append(f"  warning: {load}: the engine was awake in some records and asleep in others "
+                         f"({seen}): their sync and engine_sleep seconds do not compare")
+    return lines
+
+
 def describe(ratio: dict) -> str:
     if "pairs_n" in ratio:
         return describe_ratio(ratio)
@@ -113,6 +136,7 @@ def main() -> None:
     print(joined["table"])
     for name, value in joined["ratios"].items():
         print(f"  {name}: {describe(value)}")
+    print("\n".join(sleep_states(records)))
 
 
 if __name__ == "__main__":

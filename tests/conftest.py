@@ -143,7 +143,7 @@ FAST_MODULES = {
     "test_batches.py", "test_packing.py",  # workers
     "test_trainer.py", "test_tracking.py",  # trainer, tracking
     "test_widgets.py",  # widgets
-    "test_diagnostics.py", "test_estimate.py",  # diagnostics
+    "test_diagnostics.py", "test_estimate.py", "test_bench_collect.py",  # diagnostics, bench
     "test_cli.py",  # cli
     "test_tinker_losses.py", "test_tinker_server.py",  # Tinker's losses, rlkit.serving with the real SDK
     "test_docstrings.py",  # the API reference's examples
