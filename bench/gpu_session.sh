@@ -161,16 +161,19 @@ plan() {  # the calls' items and estimates, and the totals
             (total + start - opt - per["v1"] - over) / 60 }'
 }
 
-# sourced (bench/lora_session.sh): the functions above only
+run_call() {  # run_call CALL [BUDGET]: the call's items under its budget (default 290 s), its log and records
+  CALL=$1 RAW="$OUT/$1" BUDGET=${BUDGET:-${2:-290}}
+  mkdir -p "$RAW"
+  "$1" 2>&1 | tee "$OUT/$1.log"
+  { python3 bench/collect.py "$OUT/$1.json" "$RAW"/*.json --title "$1" || true
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true; } 2>&1 | tee -a "$OUT/$1.log"
+}
+
+# sourced (bench/lora_session.sh, bench/sizes_session.sh): the functions above only
 [[ "${BASH_SOURCE[0]}" != "$0" ]] && return 0
 
 case "${1:-}" in
   plan) plan ;;
-  t1|t2|t3|t4|t5|r1|r2|r3|v1)
-    CALL=$1 RAW="$OUT/$1" BUDGET=${BUDGET:-$([ "$1" = v1 ] && echo 570 || echo 290)}
-    mkdir -p "$RAW"
-    "$1" 2>&1 | tee "$OUT/$1.log"
-    { python3 bench/collect.py "$OUT/$1.json" "$RAW"/*.json --title "$1" || true
-      nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true; } 2>&1 | tee -a "$OUT/$1.log" ;;
+  t1|t2|t3|t4|t5|r1|r2|r3|v1) run_call "$1" "$([ "$1" = v1 ] && echo 570 || echo 290)" ;;
   *) sed -n '2,25p' "$0"; exit 2 ;;
 esac

@@ -76,11 +76,6 @@ l8() {
 }
 
 case "${1:-}" in
-  l1|l2|l3|l4|l5|l6|l7|l8)
-    CALL=$1 RAW="$OUT/$1" BUDGET=${BUDGET:-290}
-    mkdir -p "$RAW"
-    "$1" 2>&1 | tee "$OUT/$1.log"
-    { python3 bench/collect.py "$OUT/$1.json" "$RAW"/*.json --title "$1" || true
-      nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true; } 2>&1 | tee -a "$OUT/$1.log" ;;
+  l1|l2|l3|l4|l5|l6|l7|l8) run_call "$1" ;;
   *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

@@ -8,16 +8,14 @@
 #   call  carry                  command                          items
 #   z1    .whl/vllm/c0 .whl/run  bash bench/sizes_session.sh z1   TRL + Liger install; model folders; TRL HF 0.5B
 #   z2    .whl/vllm/c1           bash bench/sizes_session.sh z2   0.5B update: model code, torch.compile, Liger
-#   z3    .whl/vllm/c2           bash bench/sizes_session.sh z3   1.5B update: model code, Liger
+#   z3    .whl/vllm/c2           bash bench/sizes_session.sh z3   1.5B update: model code, torch.compile
 #   z4    .whl/vllm/c3           bash bench/sizes_session.sh z4   tests/test_gpu.py without vLLM; the 3B folder
 #   z5    .whl/vllm/c4           bash bench/sizes_session.sh z5   the fused head's memory probe
-#   z6    .whl/vllm/c5           bash bench/sizes_session.sh z6   vLLM install; rlkit 0.5B + bare vLLM (asleep)
+#   z6    .whl/vllm/c5           bash bench/sizes_session.sh z6   vLLM install; rlkit 0.5B compiled + bare vLLM
 #   z7    (nothing)              bash bench/sizes_session.sh z7   3B varlen, checkpointing, 65,536-token micro-batches
 #   z8    (nothing)              bash bench/sizes_session.sh z8   7B full fine-tuning, checkpointing + CPU offload
 #   z9    (nothing)              bash bench/sizes_session.sh z9   tests/test_gpu.py with vLLM
 #   z10   (nothing)              bash bench/sizes_session.sh z10  3B varlen without checkpointing, 16,384-token ones
-#   z11   (nothing)              bash bench/sizes_session.sh z11  rlkit 0.5B with Liger's kernels (where z2 says
-#                                                                 they are faster), right after z6
 #
 # Records: $OUT/<call>/<item>.json and $OUT/<call>.log; copy them to bench/results/<date>-h200/ as each returns.
 set -uo pipefail
@@ -41,7 +39,7 @@ update() {  # update NAME SHAPE [settings]: the update alone, 1 + 8 rounds on th
 z1() {
   fetch vllm/c0
   install_run
-  python3 -c "import liger_kernel, triton; print('liger-kernel', liger_kernel.__version__ if hasattr(liger_kernel, '__version__') else '0.8.5', 'triton', triton.__version__)"
+  python3 -c "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('liger-kernel', 'triton')))"
   models 0.5b 1.5b
   item trl-0.5b-hf 125 "${TRL[@]}" --shape 0.5b --label trl-hf --json "$RAW/trl-0.5b-hf.json"
 }
@@ -56,7 +54,7 @@ z2() {
 z3() {
   fetch vllm/c2
   update update-1.5b-torch 1.5b
-  update update-1.5b-liger 1.5b --set fsdp.kernels=liger
+  update update-1.5b-compile 1.5b --set fsdp.compile=true
 }
 
 z4() {
@@ -70,11 +68,11 @@ z5() {
   item head-memory 90 python3 bench/head_memory_probe.py --json "$RAW/head-memory.json"
 }
 
-z6() {
+z6() {  # with fsdp.compile=true, the faster update of z2 (2026-12-04); the bare engine sleeps between its calls
   fetch vllm/c5
   install_vllm || { echo "vLLM install failed"; return 1; }
-  item rlkit-0.5b-vllm 270 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --breakdown-above 99 \
-    --label rlkit-vllm --json "$RAW/rlkit-0.5b-vllm.json"
+  item rlkit-0.5b-vllm-compile 280 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --breakdown-above 99 \
+    --set fsdp.compile=true --label rlkit-vllm-compile --json "$RAW/rlkit-0.5b-vllm-compile.json"
 }
 
 z7() {
@@ -101,17 +99,7 @@ z10() {
     --json "$RAW/3b-varlen-noac.json"
 }
 
-z11() {
-  item rlkit-0.5b-vllm-liger 150 "${GRPO[@]}" --shape 0.5b --engine vllm --set fsdp.kernels=liger \
-    --label rlkit-vllm-liger --json "$RAW/rlkit-0.5b-vllm-liger.json"
-}
-
 case "${1:-}" in
-  z1|z2|z3|z4|z5|z6|z7|z8|z9|z10|z11)
-    CALL=$1 RAW="$OUT/$1" BUDGET=${BUDGET:-290}
-    mkdir -p "$RAW"
-    "$1" 2>&1 | tee "$OUT/$1.log"
-    { python3 bench/collect.py "$OUT/$1.json" "$RAW"/*.json --title "$1" || true
-      nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true; } 2>&1 | tee -a "$OUT/$1.log" ;;
-  *) sed -n '2,22p' "$0"; exit 2 ;;
+  z1|z2|z3|z4|z5|z6|z7|z8|z9|z10) run_call "$1" ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac
