@@ -157,6 +157,8 @@ TOO_SLOW_FOR_FAST = {  # seconds each took in the fast run on 2 shared cores
     "test_kill_during_save_leaves_previous_checkpoint_usable",  # 37
     "test_loss_path_peak_matches_the_estimate",  # 24
     "test_scoring_peak_matches_the_estimate",  # the same heap measurement
+    "test_compiled_layers_save_what_the_estimate_says",  # 38: four torch.compile runs, a cold cache
+    "test_compiled_layer_saves_the_formula",  # 13: the same
     "test_resume_is_exact",  # 19
     "test_ranks_stuck_after_another_rank_failed_break_the_cluster",  # 12
     "test_all_ranks_stuck_are_reported_after_call_timeout",  # 12

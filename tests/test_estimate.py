@@ -26,13 +26,16 @@ from rlkit.diagnostics.memory_terms import (
     MemorySetting,
     ModelShape,
     activation_bytes,
+    compiled_layer_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     logits_layout,
 )
+from rlkit.models import attention
 from rlkit.models.head import EAGER, install_response_head
 from rlkit.models.loading import load_causal_lm
 from rlkit.models.logprobs import response_logits, response_logprobs, sampled_logprobs
+from rlkit.models.packing import pack_rows
 from rlkit.models.tiny import TINY_MODEL_DIR
 
 SMALL = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -172,6 +175,34 @@ def test_activation_checkpointing_keeps_layer_inputs_and_one_recompute():
     assert on < off / 10  # 36 layers: 2h bytes per token each instead of ~130 KB
 
 
+def test_compiled_layers_by_hand():
+    """fsdp.compile: Inductor keeps the layer's input, o_proj's output, each norm's 1/rms and output, attention's
+    tensors and gate's, up's and down's inputs; checkpointing still keeps only each layer's input."""
+    shape = ModelShape.from_config(SMALL)
+    # norms 2*(2*64 + 4) + the input and o_proj's output 2*2*64 = 520; attention 2*(2*64 + 2*32) + 4*4 = 400;
+    # MLP 3*2*128 = 768 -> 1,688 (eager: 2,456)
+    assert compiled_layer_bytes(shape, 2, mask_width=0) == 1_688
+    # a padding mask of 16 columns: k and v expanded to the 4 heads (2*2*(64 - 32) more), the layer's bf16 mask 2*16
+    assert compiled_layer_bytes(shape, 2, mask_width=16) == 1_688 + 128 + 32
+    s = small_setting(compiled_layers=True)
+    head = head_activation_bytes(shape, s, 2)
+    assert head == head_activation_bytes(shape, small_setting(), 2) == 32 * 460 + 16 * 128
+    assert activation_bytes(shape, s, 2, phase="update") == 2 * 1_688 * 32 + head
+    assert activation_bytes(shape, s, 2, phase="backward") == 2 * 1_688 * 32
+    # padded: the masks are the layers' ((1 + 2) * 16 bytes per token less in the rest of the model)
+    padded = small_setting(compiled_layers=True, padding_mask=True)
+    eager_padded = small_setting(padding_mask=True)
+    assert head_activation_bytes(shape, padded, 2) == head_activation_bytes(shape, eager_padded, 2) - 3 * 16 * 32
+    # checkpointed: the inputs (2 layers x 2*64 x 32 tokens), and in backward one compiled layer's recompute and its
+    # MLP gradients
+    ac = small_setting(compiled_layers=True, activation_checkpointing=True)
+    eager_ac = small_setting(activation_checkpointing=True)
+    assert activation_bytes(shape, ac, 2, phase="update") == activation_bytes(shape, eager_ac, 2, phase="update")
+    assert activation_bytes(shape, ac, 2, phase="backward") == 2 * 2 * 64 * 32 + 32 * (1_688 + 3 * 2 * 128)
+    cfg = rlkit.GRPOConfig(fsdp=rlkit.FSDPConfig(compile=True))
+    assert dx.memory_setting(cfg, world_size=1, device_memory_gib=80).compiled_layers
+
+
 def test_sharded_terms_scale_as_one_over_n():
     one = phase_bytes(ModelShape.from_config(QWEN_3B), MemorySetting(**ISSUE_15_RUN))["update"]
     for world, sharding, group, divisor in [(2, "full", 0, 2), (8, "full", 0, 8), (8, "hybrid", 2, 2),
@@ -191,14 +222,9 @@ def _tiny_lm(cls, e_dtype: torch.dtype, layers: int = 2, vocab: int = 1000):
     return cfg, cls(cfg).to(e_dtype).train()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("padded", [False, True])
-def test_layer_formula_is_what_autograd_saves(dtype, padded):
-    cfg, model = _tiny_lm(Qwen2ForCausalLM, dtype)
-    rows, seq, keep = 4, 96, 33
-    ids, mask = torch.randint(0, 1000, (rows, seq)), torch.ones(rows, seq, dtype=torch.long)
-    if padded:
-        mask[0, :5] = 0  # left padding: transformers builds a mask and expands k, v to every head
+def _saved_bytes(forward, model: torch.nn.Module, shared: tuple[torch.Tensor, ...] = ()) -> int:
+    """Bytes of the distinct storages that autograd saves while ``forward()`` runs, less the model's parameters
+    and the ``shared`` tensors'."""
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -206,14 +232,89 @@ def test_layer_formula_is_what_autograd_saves(dtype, padded):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, attention_mask=mask, logits_to_keep=keep)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = sum(n for ptr, n in saved.items() if ptr not in params)
-    e = 2 if dtype == torch.bfloat16 else 4
-    shape = ModelShape.from_config(cfg)
+        forward()
+    left_out = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *shared)}
+    return sum(n for ptr, n in saved.items() if ptr not in left_out)
+
+
+def _saved_and_estimated(dtype: torch.dtype, padded: bool, *, compiled: bool) -> tuple[int, int]:
+    """A 2-layer model's forward over 4 rows of 96 tokens, the head on the last 33 (``padded``: the first row
+    left-padded, so transformers builds a mask and expands k and v to every head; ``compiled``: each layer's
+    forward compiled, as rlkit.fsdp.apply does): what autograd saves and the estimate's update activations."""
+    cfg, model = _tiny_lm(Qwen2ForCausalLM, dtype)
+    rows, seq, keep = 4, 96, 33
+    ids, mask = torch.randint(0, 1000, (rows, seq)), torch.ones(rows, seq, dtype=torch.long)
+    if padded:
+        mask[0, :5] = 0
+    if compiled:  # after other tests' compiles none counts towards a recompile limit (which leaves a layer eager)
+        torch._dynamo.reset()
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=keep)  # compiles
+    measured = _saved_bytes(lambda: model(input_ids=ids, attention_mask=mask, logits_to_keep=keep), model)
     s = MemorySetting(device_memory_gib=1, prompt_tokens=seq - keep + 1, response_tokens=keep - 1,
-                      samples_per_step=rows, micro_batch_size=rows, padding_mask=padded)
-    assert measured == pytest.approx(activation_bytes(shape, s, e, phase="update"), rel=0.01)
+                      samples_per_step=rows, micro_batch_size=rows, padding_mask=padded, compiled_layers=compiled)
+    e = 2 if dtype == torch.bfloat16 else 4
+    return measured, activation_bytes(ModelShape.from_config(cfg), s, e, phase="update")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("padded", [False, True])
+def test_layer_formula_is_what_autograd_saves(dtype, padded):
+    measured, estimated = _saved_and_estimated(dtype, padded, compiled=False)
+    assert measured == pytest.approx(estimated, rel=0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_layers_save_what_the_estimate_says(dtype, padded):
+    """fsdp.compile: padded, each layer keeps its own copy of the mask in the compute dtype."""
+    measured, estimated = _saved_and_estimated(dtype, padded, compiled=True)
+    assert measured == pytest.approx(estimated, rel=0.01)
+
+
+def _varlen_attention_as_on_a_gpu(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None,
+                                  max_length_q=None, **kwargs):
+    """rlkit's packed attention as it runs on a GPU (varlen_sdpa_attention's CUDA branch: torch's varlen op), on
+    any device: query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D]."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return attention._flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
+
+
+def _varlen_op_on_cpu(query, key, value, *args, **kwargs):
+    """A CPU kernel for torch's varlen op (a CUDA one) that returns what the GPU's does, as zeros: the output
+    [N, H, D], the log-sum-exp [H, N] fp32 and the rng state. What a layer saves does not depend on the values."""
+    lse = torch.zeros(query.shape[1], query.shape[0], dtype=torch.float32)
+    return torch.zeros_like(query), lse, torch.zeros(2, dtype=torch.uint64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_layer_saves_the_formula(dtype):
+    """A compiled decoder layer on packed rows, its attention through torch's varlen op as on a GPU (the op opaque
+    to the compiler, as there): what the compiled graph saves is compiled_layer_bytes per token, the layer's input
+    included (cos, sin and the sequence bounds are the model's, shared by every layer)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("rlkit_varlen_as_on_a_gpu", _varlen_attention_as_on_a_gpu)
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _varlen_op_on_cpu)
+    cfg, model = _tiny_lm(Qwen2ForCausalLM, dtype, layers=1)
+    cfg._attn_implementation = "rlkit_varlen_as_on_a_gpu"
+    mask = torch.ones(4, 96, dtype=torch.long)
+    mask[0, :5] = 0
+    packed = pack_rows(torch.randint(0, 1000, (4, 96)), mask)
+    x = model.model.embed_tokens(packed.input_ids).detach().requires_grad_()
+    cos, sin = model.model.rotary_emb(x, packed.position_ids)
+    kwargs = {**packed.model_kwargs(), "position_embeddings": (cos, sin), "attention_mask": None}
+    del kwargs["input_ids"]
+    layer = model.model.layers[0]
+    torch._dynamo.reset()  # as in _saved_and_estimated
+    layer.forward = torch.compile(layer.forward)
+    layer(x, **kwargs)  # compiles
+    measured = _saved_bytes(lambda: layer(x, **kwargs), model, shared=(cos, sin, packed.cu_seq_lens))
+    e = 2 if dtype == torch.bfloat16 else 4
+    tokens = packed.input_ids.shape[1]
+    # + the varlen op's rng state (2 x uint64)
+    assert measured == compiled_layer_bytes(ModelShape.from_config(cfg), e, mask_width=0) * tokens + 16
 
 
 class _HostPeak(TorchDispatchMode):
@@ -448,18 +549,20 @@ def test_a_peak_within_the_estimates_error_of_the_device_is_linted_as_tight():
 
 def test_the_estimate_replays_the_h200_records_within_15_percent():
     """The 0.5B and 3B full fine-tuning runs measured on one H200 (bench/results), replayed through today's
-    estimate: every measured phase within 15% (the 3B update's was 0.638 before the fused head was modelled)."""
+    estimate: every measured phase within 15% (the 3B update's was 0.638 before the fused head was modelled, the
+    compiled 0.5B update's 0.816 before compiled layers were)."""
     import subprocess
     import sys
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "bench"
     records = ["results/2026-12-03-h200/rlkit-vllm.json", "results/2026-12-03-h200/3b-varlen-ac.json",
-               "results/2026-12-02-h200b/r1c/rlkit-0.5b-vllm.json", "results/2026-12-04-h200/z7/3b-varlen-ac.json"]
+               "results/2026-12-02-h200b/r1c/rlkit-0.5b-vllm.json", "results/2026-12-04-h200/z7/3b-varlen-ac.json",
+               "results/2026-12-04-h200/z6/rlkit-0.5b-vllm-compile.json"]
     done = subprocess.run([sys.executable, "estimate_replay.py", *records, "--within", "0.15"], cwd=bench,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("measured") == 16 and "skipped" not in done.stderr  # 4 phases x 4 records
+    assert done.stdout.count("measured") == 20 and "skipped" not in done.stderr  # 4 phases x 5 records
 
 
 QWEN_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

@@ -138,6 +138,9 @@ class MemorySetting:
     (:attr:`~rlkit.diagnostics.MemoryEstimate.keep_unsharded`)."""
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    compiled_layers: bool = False
+    """[fsdp.compile] Each decoder layer's forward compiled by torch.compile: Inductor saves fewer of the layer's
+    intermediates for backward and recomputes the rest (:func:`compiled_layer_bytes`)."""
     prompt_tokens: int = 64
     """[data.max_prompt_tokens] Every row is taken at the longest prompt and response (the worst case)."""
     response_tokens: int = 16
@@ -285,6 +288,36 @@ def layer_activation_bytes(shape: ModelShape, e: int, *, expanded_kv: bool) -> i
     return 2 * (4 * h + 2 * e * h + 4) + e * (2 * q + 2 * kv) + 4 * shape.num_heads + 4 * e * i
 
 
+def compiled_layer_bytes(shape: ModelShape, e: int, *, mask_width: int) -> int:
+    """Bytes one decoder layer compiled by torch.compile (``[fsdp.compile]``, default mode) saves for backward per
+    token. Inductor's partitioner (min-cut rematerialization) keeps the matmuls' outputs and the attention op's
+    tensors and recomputes the pointwise rest in backward (checked against saved-tensor hooks in
+    tests/test_estimate.py: packed rows through torch's varlen attention op, as on a GPU; padded rows through
+    the CPU's SDPA):
+      - two RMSNorms, each: 1/rms (4) and its product with the weight (e*h: the next projections' input); their fp32
+        upcasts and normalised values are recomputed from the layer's input and o_proj's output (e*h each), which
+        the layer keeps instead of their sum;
+      - attention as eager (:func:`layer_activation_bytes`): the rotated q (e*q) and k (e*kv), v (e*kv), the
+        output (e*q) and its log-sum-exp (4 per head). With a padding mask (``mask_width`` S > 0: [b, S] rows)
+        k and v are expanded to every head (e*q each) and the layer keeps its own copy of the [b, 1, S, S] mask
+        in the compute dtype (e*S);
+      - MLP: gate's and up's outputs and down's input (the product of SiLU's and up's): 3*e*i; SiLU's is recomputed.
+    Total 4e*h + 8 + e*(2q + 2kv) + 4H + 3e*i, + e*S with a padding mask.
+    """
+    h, q, i = shape.hidden_size, shape.q_dim, shape.intermediate_size
+    kv = q if mask_width else shape.kv_dim
+    return 4 * e * h + 8 + e * (2 * q + 2 * kv) + 4 * shape.num_heads + 3 * e * i + e * mask_width
+
+
+def saved_layer_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
+    """Per token, what one decoder layer's forward saves for backward under ``s``: compiled
+    (:func:`compiled_layer_bytes`) or eager (:func:`layer_activation_bytes`); a padding mask only on padded rows."""
+    padded = s.padding_mask and not s.padding_free
+    if s.compiled_layers:
+        return compiled_layer_bytes(shape, e, mask_width=s.sequence_tokens if padded else 0)
+    return layer_activation_bytes(shape, e, expanded_kv=padded)
+
+
 def scoring_layer_bytes(shape: ModelShape, e: int) -> int:
     """Peak bytes per token inside one decoder layer's forward without grad: e*(4h + 3i), the residual, the normed
     input, the attention's sum and output in flight (4h) beside the MLP's activated gate, up projection and their
@@ -295,22 +328,25 @@ def scoring_layer_bytes(shape: ModelShape, e: int) -> int:
 
 def head_activation_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
     """What the rest of the model saves for one micro-batch: per token the final norm (4h + e*h + 4), the ids (8),
-    cos/sin (2*d*e) and, with a padding mask, the [b, 1, S, S] mask as bool and in the compute dtype ((1 + e)*S);
+    cos/sin (2*d*e) and, with a padding mask, the [b, 1, S, S] mask as bool and in the compute dtype ((1 + e)*S;
+    compiled layers that save their activations keep their own copies instead: :func:`compiled_layer_bytes`);
     per LM-head row its input (e*h)."""
     h, tokens = shape.hidden_size, s.tokens_per_micro_batch
     per_token = 4 * h + e * h + 4 + 8 + 2 * shape.head_dim * e
-    if s.padding_mask and not s.padding_free:
+    masks_in_layers = s.compiled_layers and not s.activation_checkpointing
+    if s.padding_mask and not s.padding_free and not masks_in_layers:
         per_token += (1 + e) * s.sequence_tokens
     return tokens * per_token + logits_layout(shape, s).head_rows * e * h
 
 
 def activation_bytes(shape: ModelShape, s: MemorySetting, e: int, *, phase: str) -> int:
     """Saved activations of one micro-batch at ``phase``: "update" (at the loss: every layer's, or with activation
-    checkpointing each layer's input (e*h per token), plus the head's), "backward" (all layers' without
-    checkpointing; with it the inputs plus one layer's recompute and its MLP gradients, 3*e*i per token) or
-    "scoring" (no grad: one layer's intermediates in flight, :func:`scoring_layer_bytes`)."""
+    checkpointing each layer's input (e*h per token, compiled or not), plus the head's), "backward" (all layers'
+    without checkpointing; with it the inputs plus one layer's recompute and its MLP gradients, 3*e*i per token)
+    or "scoring" (no grad: one layer's intermediates in flight, :func:`scoring_layer_bytes`). A layer saves
+    :func:`saved_layer_bytes` per token, in the update and in its recompute."""
     tokens = s.tokens_per_micro_batch
-    layer = layer_activation_bytes(shape, e, expanded_kv=s.padding_mask and not s.padding_free)
+    layer = saved_layer_bytes(shape, s, e)
     if phase == "scoring":  # no grad: the residual stream, the layer's input and output, the MLP's intermediates
         return tokens * scoring_layer_bytes(shape, e)
     if not s.activation_checkpointing:

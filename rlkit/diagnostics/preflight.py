@@ -53,6 +53,7 @@ def memory_setting(
         fsdp_version=fsdp.version,
         cpu_offload=fsdp.cpu_offload,
         activation_checkpointing=fsdp.activation_checkpointing,
+        compiled_layers=fsdp.compile,
         prompt_tokens=config.data.max_prompt_tokens,
         response_tokens=rollout.max_new_tokens,
         samples_per_step=config.samples_per_step,
