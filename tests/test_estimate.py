@@ -296,7 +296,19 @@ def test_compiled_layer_saves_the_formula(dtype):
     from transformers import AttentionInterface
 
     AttentionInterface.register("rlkit_varlen_as_on_a_gpu", _varlen_attention_as_on_a_gpu)
-    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _varlen_op_on_cpu)
+    lib = torch.library.Library("torch_attn", "FRAGMENT")  # the CPU kernel lives as long as this test
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _varlen_op_on_cpu, lib=lib)
+    try:
+        measured, tokens, cfg = _compiled_layer_saved_bytes(dtype)
+    finally:
+        lib._destroy()
+    e = 2 if dtype == torch.bfloat16 else 4
+    # + the varlen op's rng state (2 x uint64)
+    assert measured == compiled_layer_bytes(ModelShape.from_config(cfg), e, mask_width=0) * tokens + 16
+
+
+def _compiled_layer_saved_bytes(dtype: torch.dtype):
+    """(bytes one compiled packed layer saves, its tokens, the model config), attention through the varlen op."""
     cfg, model = _tiny_lm(Qwen2ForCausalLM, dtype, layers=1)
     cfg._attn_implementation = "rlkit_varlen_as_on_a_gpu"
     mask = torch.ones(4, 96, dtype=torch.long)
@@ -311,10 +323,7 @@ def test_compiled_layer_saves_the_formula(dtype):
     layer.forward = torch.compile(layer.forward)
     layer(x, **kwargs)  # compiles
     measured = _saved_bytes(lambda: layer(x, **kwargs), model, shared=(cos, sin, packed.cu_seq_lens))
-    e = 2 if dtype == torch.bfloat16 else 4
-    tokens = packed.input_ids.shape[1]
-    # + the varlen op's rng state (2 x uint64)
-    assert measured == compiled_layer_bytes(ModelShape.from_config(cfg), e, mask_width=0) * tokens + 16
+    return measured, packed.input_ids.shape[1], cfg
 
 
 class _HostPeak(TorchDispatchMode):
