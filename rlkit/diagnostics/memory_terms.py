@@ -186,6 +186,11 @@ class MemorySetting:
     ranks_per_host: int = 0
     """The ranks that share one host's memory (0: all ``world_size`` of them, a one-machine run)."""
 
+    @property
+    def host_ranks(self) -> int:
+        """The ranks on one host (:attr:`ranks_per_host`, 0 meaning all of them)."""
+        return self.ranks_per_host or self.world_size
+
     def lora_params(self, shape: ModelShape) -> int:
         """The adapters' parameters (0 without LoRA)."""
         return shape.lora_params(self.lora_rank, self.lora_targets) if self.lora_rank else 0
@@ -414,7 +419,7 @@ def host_offload_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
     """Host memory of one host's ranks, by what holds it: "offloaded" fp32 parameters, gradients and AdamW state
     (:func:`host_bytes` per rank, with cpu_offload) and "engine sleeping" (a sleeping vLLM engine keeps a copy of
     its compute-dtype weights in host memory: 14.3 GiB at 7B, measured)."""
-    ranks = s.ranks_per_host or s.world_size
+    ranks = s.host_ranks
     sleeps = s.engine == "vllm" and s.engine_sleep != "never"
     weights = shape.num_parameters * DTYPE_BYTES[s.compute_dtype]
     return {"offloaded": ranks * host_bytes(shape, s), "engine sleeping": ranks * weights if sleeps else 0}

@@ -314,14 +314,13 @@ def host_memory_will_not_fit(est: MemoryEstimate) -> Iterator[Raw]:
     if est.host_fits:
         return
     s, held = est.setting, est.host_gib
-    ranks = s.ranks_per_host or s.world_size
     parts = ", ".join(f"{k} {v:.1f}" for k, v in held.items() if v)
     yield Raw(
         "host-memory-will-not-fit", "error",
         f"One host's ranks would hold {sum(held.values()):.1f} GiB of host memory, more than "
         f"{1 - HOST_HEADROOM:.0%} of its {s.host_memory_gib:.1f} GiB: the OS would kill a rank (out of memory) "
         "in its first update.",
-        f"{ranks} rank(s) on the host, {est.shape.num_parameters / 1e6:,.1f}M parameters; GiB: {parts}",
+        f"{s.host_ranks} rank(s) on the host, {est.shape.num_parameters / 1e6:,.1f}M parameters; GiB: {parts}",
         "spread the ranks over more hosts (each holds a smaller shard); or train LoRA adapters (lora.rank > 0: "
         "the offloaded state shrinks to the adapters'); or, where the device fits the state, fsdp.cpu_offload=False",
         tuple(range(s.world_size)),

@@ -51,19 +51,9 @@ def model_family_problems(config: RLConfig | PreferenceConfig, device: str, worl
         trust_remote_code=config.trust_remote_code,
         tensor_parallel_size=rollout.tensor_parallel_size if rollout is not None else 1,
         lora=getattr(config, "lora", None),
+        kernels=config.fsdp.kernels,
     )
-    return problems + _fsdp1_lora_problems(config, model_dir, world_size) + _kernel_problems(config, model_dir)
-
-
-def _kernel_problems(config: RLConfig | PreferenceConfig, model_dir: Path) -> list[str]:
-    """``fsdp.kernels="liger"`` on a family rlkit does not swap Liger's kernels into."""
-    if config.fsdp.kernels != "liger":
-        return []
-    model_config, _ = _read_config(model_dir, config.trust_remote_code, f'model="{model_dir}"')
-    if model_config is None:
-        return []  # check_model_family reported it
-    problem = liger_family_problem(model_config.model_type)
-    return [problem] if problem else []
+    return problems + _fsdp1_lora_problems(config, model_dir, world_size)
 
 
 def describe_lora(config: RLConfig | PreferenceConfig) -> str | None:
@@ -136,9 +126,11 @@ def check_model_family(
     trust_remote_code: bool = False,
     tensor_parallel_size: int = 1,
     lora: LoraConfig | None = None,
+    kernels: str = "torch",
 ) -> list[str]:
     """What would stop rlkit from training ``model_dir`` with FSDP and rolling out with ``engine`` on ``device``
-    (with ``lora`` on: its target modules must bind to every decoder layer, :func:`rlkit.models.lora.bind`).
+    (with ``lora`` on: its target modules must bind to every decoder layer, :func:`rlkit.models.lora.bind`; with
+    ``kernels="liger"`` (fsdp.kernels): Liger's kernels must exist for its family).
 
     Args:
         model_dir: a local Hugging Face model directory.
@@ -154,6 +146,8 @@ def check_model_family(
     if config is None:
         return [problem]
     problems = _attention_problems(config, device, where) + _tensor_parallel_problems(config, tensor_parallel_size)
+    liger = liger_family_problem(config.model_type) if kernels == "liger" else None
+    problems += [liger] if liger else []
     # with the attention reported, check the rest as transformers' default (sdpa or eager) would build it
     model, problem = _meta_model(config, trust_remote_code, "eager" if problems else None, where)
     problems += [problem] if model is None else _decoder_layer_problems(model, where)
