@@ -450,6 +450,7 @@ class Trainer(PolicyTrainerBase):
             raise
         meta = {
             "config": self.config.to_dict(),
+            "models": checkpoints.model_record(self.config.to_dict()),
             "steps_done": self.steps_done,
             "prompts": self._position,
             "history": self._rows,
@@ -484,11 +485,12 @@ class Trainer(PolicyTrainerBase):
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
-        if config is not None and (problems := checkpoints.resume_problems(checkpoint, config)):
+        config = config if config is not None else config_from_dict(meta["config"])
+        if problems := checkpoints.resume_problems(checkpoint, config):  # before any worker loads a tensor
             raise ConfigError(problems)
         trainer = cls(
             cluster,
-            config if config is not None else config_from_dict(meta["config"]),
+            config,
             reward_fn=reward_fn,
             prompts=prompts,
             val_prompts=val_prompts,
