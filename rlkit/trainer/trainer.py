@@ -482,6 +482,8 @@ class Trainer(PolicyTrainerBase):
         [[rewards]], [[tools]], environment) or defaults.
         ``config``: the run's settings (default: the checkpoint's), e.g. with more ``steps``; ``fit()`` then runs
         the steps left to ``config.steps``. The trainer writes into the config's ``output_dir``: the same run folder.
+        A model or LoRA setting that gives the checkpoint's tensors other shapes raises ConfigError naming both,
+        before anything reaches the cluster (``rlkit.trainer.checkpoints.resume_problems``).
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
