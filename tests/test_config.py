@@ -277,6 +277,9 @@ def test_the_python_api_names_wrong_types_at_once_in_nested_sections_and_lists()
                                   'string ("0.99")']  # fmt: skip
     with pytest.raises(ConfigError, match=r'max_samples="16": must be an integer, not a string'):
         rlkit.PrimitivesConfig(max_samples="16")
+    with pytest.raises(ConfigError, match=r"lora=OptimConfig\(lr=1e-05, .*\.\.\.: must be a \[lora\] table "
+                                          r"\(LoraConfig\), not an OptimConfig$"):  # one section for another
+        rlkit.GRPOConfig(lora=OptimConfig())
 
 
 def test_the_right_types_pass_an_int_is_a_number_and_a_list_a_tuple():

@@ -163,7 +163,8 @@ def _kind(value: Any) -> str:
                         (list, "a list"), (tuple, "a tuple"), (dict, "a table")):  # fmt: skip
         if isinstance(value, kind):
             return words
-    return "None" if value is None else f"a {type(value).__name__}"
+    name = type(value).__name__
+    return "None" if value is None else f"{'an' if name[0] in 'AEIOUaeiou' else 'a'} {name}"
 
 
 def _shown(value: Any) -> str:
