@@ -2,10 +2,10 @@
 
 A checkpoint is ``<root>/step-<N>/`` holding ``trainer.json`` (config, step,
 prompt position, history, its models' shapes: :func:`model_record`), ``actor/``
-(distributed checkpoint of the actor and its optimizer), ``actor_rank<r>.pt`` and ``rng_rank<r>.pt`` (schedule and RNG
-per rank), with PPO ``critic/`` and ``critic_rank<r>.pt``, and ``hf/`` (a
-Hugging Face export). It is written under a hidden ``.step-<N>.partial-*`` name and
-renamed into place only when complete, so a crash mid-save leaves the previous
+(distributed checkpoint of the actor and its optimizer), ``actor_rank<r>.pt`` and
+``rng_rank<r>.pt`` (schedule and RNG per rank), with PPO ``critic/`` and
+``critic_rank<r>.pt``, and ``hf/`` (a Hugging Face export). It is written under a
+hidden ``.step-<N>.partial-*`` name and renamed into place only when complete, so a crash mid-save leaves the previous
 checkpoints untouched and the partial one is never picked up.
 """
 
