@@ -1,5 +1,7 @@
 """Checkpoints: exact resume across a relaunch, atomic saves, keep-last-K, a Hugging Face export."""
 
+import contextlib
+import io
 import signal
 import subprocess
 import sys
@@ -76,6 +78,8 @@ def test_resume_is_exact(cluster, tmp_path):
     first.fit(2, progress=False)
     saved = first.save(tmp_path / "ckpt")
     assert saved.name == "step-000002"
+    shape = checkpoints.read_meta(saved)["models"]["model"]["shape"]  # what a resume's model is held against
+    assert (shape["model_type"], shape["hidden_size"], shape["intermediate_size"]) == ("qwen2", 128, 256)
 
     with rlkit.launch(world_size=2) as fresh:
         resumed = rlkit.Trainer.resume(fresh, tmp_path / "ckpt")
@@ -126,3 +130,134 @@ def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
         trainer = rlkit.Trainer.resume(cluster, root)
         assert trainer.steps_done == 1
         trainer.step()
+
+
+# -- a resume whose model has other shapes is named before any worker loads (checkpoints.resume_problems) ----------
+
+
+class Untouchable:
+    """A cluster that fails the test when anything is asked of it: the check must come before."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"cluster.{name} was used before the model was checked")
+
+
+def changed_tiny(folder, **fields):
+    """A copy of the tiny model with ``fields`` changed in its config.json (intermediate_size=384: a wider MLP)."""
+    import json
+    import shutil
+
+    from rlkit.models.tiny import TINY_MODEL_DIR
+
+    shutil.copytree(TINY_MODEL_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return folder
+
+
+def saved_checkpoint(root, config, *, recorded=True):
+    """A checkpoint's trainer.json as Trainer.save writes it (``recorded=False``: as rlkit wrote it before it
+    recorded the models' shapes); nothing else is read before the workers load."""
+    import json
+
+    path = root / "checkpoints" / "step-000003"
+    path.mkdir(parents=True)
+    meta = {"config": config.to_dict(), "steps_done": 3, "prompts": {}, "history": []}
+    if recorded:
+        meta["models"] = checkpoints.model_record(config.to_dict())
+    (path / checkpoints.META).write_text(json.dumps(meta))
+    return path
+
+
+def test_resuming_with_a_model_of_other_shapes_names_both_models_before_the_cluster_is_used(tmp_path):
+    wider = changed_tiny(tmp_path / "wider", intermediate_size=384)
+    saved = saved_checkpoint(tmp_path / "run", rlkit.GRPOConfig(**CONFIG))
+    with pytest.raises(rlkit.ConfigError) as err:
+        rlkit.Trainer.resume(Untouchable(), saved, config=rlkit.GRPOConfig(**{**CONFIG, "model": str(wider)}))
+    assert err.value.problems == [
+        f'the checkpoint step-000003 was trained from model = "tiny" (intermediate_size 256); the config\'s model = '
+        f'"{wider}" has intermediate_size 384: its tensors have other shapes. Resume with model = "tiny", or start a '
+        "new run (without --resume, in another output_dir)"
+    ]
+
+
+def test_a_model_folder_changed_since_the_checkpoint_is_named_and_a_moved_one_resumes(tmp_path):
+    """The same ``model`` setting whose folder now holds another model (the checkpoint recorded the shapes), and
+    a copy of the same model elsewhere (same shapes: no problem)."""
+    model = changed_tiny(tmp_path / "model")
+    saved = saved_checkpoint(tmp_path / "run", rlkit.GRPOConfig(**{**CONFIG, "model": str(model)}))
+    moved = changed_tiny(tmp_path / "moved")
+    assert checkpoints.resume_problems(saved, rlkit.GRPOConfig(**{**CONFIG, "model": str(moved)})) == []
+    changed_tiny(tmp_path / "rebuilt", hidden_size=96, num_hidden_layers=3)
+    (model / "config.json").write_text((tmp_path / "rebuilt" / "config.json").read_text())
+    with pytest.raises(rlkit.ConfigError, match=rf'trained from model = "{model}" \(hidden_size 128, '
+                       rf'num_hidden_layers 2\); the config\'s model = "{model}" is now hidden_size 96, '
+                       rf'num_hidden_layers 3: .* Resume with model = "{model}" as it was'):  # fmt: skip
+        rlkit.Trainer.resume(Untouchable(), saved)  # no config: the checkpoint's own, against its folder now
+
+
+def test_a_checkpoint_of_an_earlier_version_is_held_against_its_model_folder_as_it_is_now(tmp_path):
+    wider = changed_tiny(tmp_path / "wider", intermediate_size=384)
+    saved = saved_checkpoint(tmp_path / "run", rlkit.GRPOConfig(**CONFIG), recorded=False)
+    assert checkpoints.resume_problems(saved, rlkit.GRPOConfig(**CONFIG)) == []
+    (problem,) = checkpoints.resume_problems(saved, rlkit.GRPOConfig(**{**CONFIG, "model": str(wider)}))
+    assert problem.startswith('the checkpoint step-000003 was trained from model = "tiny" (intermediate_size 256)')
+
+
+def test_the_critic_and_a_preference_run_are_checked_too(tmp_path):
+    wider = changed_tiny(tmp_path / "wider", intermediate_size=384)
+    ppo = saved_checkpoint(tmp_path / "ppo", rlkit.PPOConfig(model="tiny"))
+    (problem,) = checkpoints.resume_problems(ppo, rlkit.PPOConfig(model="tiny", critic={"model": str(wider)}))
+    assert problem.startswith('the checkpoint step-000003 was trained from critic.model = "tiny" (intermediate_size '
+                              f'256); the config\'s critic.model = "{wider}" has intermediate_size 384')  # fmt: skip
+    dpo = saved_checkpoint(tmp_path / "dpo", rlkit.DPOConfig())
+    with pytest.raises(rlkit.ConfigError, match='trained from model = "tiny"'):
+        rlkit.PreferenceTrainer.resume(Untouchable(), dpo, config=rlkit.DPOConfig(model=str(wider)))
+
+
+def test_rlkit_train_names_a_changed_model_before_launch(tmp_path, monkeypatch):
+    """``rlkit train --resume auto`` with the model changed in the TOML: one message naming both models, exit 2,
+    nothing launched, no rank tracebacks."""
+    import rlkit.cli.train
+    from rlkit.cli import main
+
+    monkeypatch.setattr(rlkit.cli.train, "launch", Untouchable())
+    wider = changed_tiny(tmp_path / "wider", intermediate_size=384)
+    saved_checkpoint(tmp_path / "run", rlkit.GRPOConfig(**CONFIG))
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'model = "{wider}"\noutput_dir = "{tmp_path / "run"}"\n[checkpoint]\nevery = 1\n')
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", str(toml), "--resume", "auto"])
+    assert code == 2 and "Traceback" not in err.getvalue()
+    assert (f'the checkpoint step-000003 was trained from model = "tiny" (intermediate_size 256); the config\'s '
+            f'model = "{wider}" has intermediate_size 384') in err.getvalue()  # fmt: skip
+
+
+def test_a_resume_that_fails_in_the_workers_still_offers_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
+    """The trainer never started, the checkpoint is still there: "then resume with", not "nothing to resume from"."""
+    import rlkit.cli.train
+    from rlkit.cli import main
+
+    class Cluster:
+        closed = False
+
+    @contextlib.contextmanager
+    def launch(**kwargs):
+        yield Cluster()
+
+    def resume(cls, cluster, path, **kwargs):
+        raise RuntimeError("Error(s) in loading state_dict: size mismatch")
+
+    monkeypatch.setattr(rlkit.cli.train, "launch", launch)
+    monkeypatch.setattr(rlkit.Trainer, "resume", classmethod(resume))
+    saved_checkpoint(tmp_path / "run", rlkit.GRPOConfig(**CONFIG), recorded=False)
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'model = "tiny"\noutput_dir = "{tmp_path / "run"}"\n[checkpoint]\nevery = 1\n')
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", str(toml), "--resume", "auto", "--world-size", "1"])
+    said = err.getvalue()
+    assert code == 1 and "RuntimeError: Error(s) in loading state_dict: size mismatch" in said, said
+    assert f"kept in {tmp_path / 'run'}: checkpoint step-000003" in said
+    assert "then resume with: rlkit train" in said and "nothing to resume from" not in said

@@ -319,3 +319,28 @@ def test_the_start_line_names_the_loss_and_the_step_line_the_gap_and_the_correct
     row = {"step": 1, "reward/mean": 0.5, "mismatch/abs_delta/mean": 4.3e-3, "rollout_correction/weight/max": 1.04,
            "rollout_correction/masked_frac": 0.0}  # fmt: skip
     assert lines.line(row).split()[-4:] == ["4e-03", "1.04", "0.000", "-"]
+
+
+def test_settings_of_the_wrong_type_are_named_before_launch(tmp_path, monkeypatch):
+    """The issue's TOML through ``rlkit train``: every wrong type in one message, exit 2, nothing launched."""
+    import rlkit.cli.train
+
+    def launch(**kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(rlkit.cli.train, "launch", launch)
+    toml = tmp_path / "c.toml"
+    toml.write_text('steps = "10"\n[lora]\nrank = "eight"\nalpha = "16"\ndropout = "0"\n'
+                    'target_modules = ["q_proj", 3]\n[agent]\nmax_turns = "3"\ncall_timeout = "fast"\n')  # fmt: skip
+    code, out, err = train(str(toml), "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and "Traceback" not in err and err.startswith("error: 7 problem(s) in the config:\n"), err
+    for problem in ('steps="10": must be an integer, not a string', 'lora.rank="eight": must be an integer',
+                    'lora.alpha="16": must be a number', 'lora.dropout="0": must be a number',
+                    "lora.target_modules=['q_proj', 3]: must be a list of strings or a string, not a list holding an "
+                    "integer (3)", 'agent.max_turns="3": must be an integer', 'agent.call_timeout="fast": must be a '
+                    "number, not a string"):  # fmt: skip
+        assert f"  - {problem}" in err
+    for value in ("8.5", "true"):
+        toml.write_text(f"[lora]\nrank = {value}\n")
+        code, out, err = train(str(toml), "--output-dir", str(tmp_path / "run"))
+        assert code == 2 and "lora.rank=" in err and "must be an integer" in err, err

@@ -189,3 +189,170 @@ def test_config_and_data_import_nothing_above_algos():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlkit."):
                 assert node.module.split(".")[1] in ("algos", "config"), f"{path.name} imports {node.module}"
+
+
+# -- settings of the wrong type (rlkit.config.typed), named before anything runs ----------------------------------
+
+WRONG_TYPES_TOML = """
+steps = "10"
+[lora]
+rank = "eight"
+alpha = "16"
+dropout = "0"
+target_modules = ["q_proj", 3]
+[agent]
+max_turns = "3"
+call_timeout = "fast"
+"""
+WRONG_TYPES = [
+    'steps="10": must be an integer, not a string',
+    'lora.rank="eight": must be an integer, not a string',
+    'lora.alpha="16": must be a number, not a string',
+    'lora.dropout="0": must be a number, not a string',
+    "lora.target_modules=['q_proj', 3]: must be a list of strings or a string, not a list holding an integer (3)",
+    'agent.max_turns="3": must be an integer, not a string',
+    'agent.call_timeout="fast": must be a number, not a string',
+]
+
+
+def test_settings_of_the_wrong_type_are_named_together_with_the_type_expected_and_the_value_given(tmp_path):
+    """The issue's TOML: each wrong type named at once (a typo beside them too), no traceback from a comparison."""
+    path = tmp_path / "c.toml"
+    path.write_text(WRONG_TYPES_TOML + "[rollout]\ntemprature = 1.0\n")
+    with pytest.raises(ConfigError) as err:
+        config_from_toml(path)
+    assert err.value.problems == ["unknown setting rollout.temprature: did you mean rollout.temperature?",
+                                  *WRONG_TYPES]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "table, expected",
+    [
+        ("lora = 8\n", "lora=8: must be a [lora] table (LoraConfig), not an integer"),
+        ("[lora]\nrank = 8.5\n", "lora.rank=8.5: must be an integer, not a float"),
+        ("[lora]\nrank = true\n", "lora.rank=True: must be an integer, not a boolean"),
+        ("[critic.lora]\nrank = 4.0\n", "critic.lora.rank=4.0: must be an integer, not a float"),
+        ("[optim]\nbetas = 0.9\n", "optim.betas=0.9: must be a list of 2 numbers, not a float"),
+        ("[optim]\nbetas = [0.9, 0.99, 0.5]\n", "optim.betas=(0.9, 0.99, 0.5): must be a list of 2 numbers, not a "
+                                                "tuple of 3 items"),
+        ("clip_high = \"0.28\"\n", 'clip_high="0.28": must be a number or None, not a string'),
+        ("[fsdp]\nreshard_after_forward = 1\n", "fsdp.reshard_after_forward=1: must be true or false, not an integer"),
+        ("[data]\nchat_template = \"yes\"\n", 'data.chat_template="yes": must be true or false or None, not a string'),
+        ("[data]\ntrain_files = 3\n", "data.train_files=3: must be a list of strings, not an integer"),
+        ("trackers = \"tensorboard\"\n", 'trackers="tensorboard": must be a list of strings, not a string'),
+        ("rewards = [\"r.py:f\"]\n", "rewards=['r.py:f']: must be a list of [[rewards]] tables (RewardSpec), not a "
+                                     'list holding a string ("r.py:f")'),
+        ("[[rewards]]\nfunction = \"r.py:f\"\nweight = \"1\"\n", 'rewards[0].weight="1": must be a number, not a '
+                                                               "string"),
+        ("[rollout]\nengine = [\"vllm\"]\n", "rollout.engine=['vllm']: must be a string, not a list"),
+    ],
+)
+def test_a_wrong_type_in_any_section_is_named_before_the_value_checks_run(tmp_path, table, expected):
+    """Tables, arrays of tables, optional settings and tuples; ``rank = 8.5`` and ``rank = true`` passed the value
+    checks before and reached torch.empty on the workers."""
+    path = tmp_path / "c.toml"
+    path.write_text('algorithm = "ppo"\n' + table)
+    with pytest.raises(ConfigError) as err:
+        config_from_toml(path)
+    assert err.value.problems == [expected]
+
+
+def test_the_python_api_names_wrong_types_at_once_in_nested_sections_and_lists():
+    import rlkit
+
+    with pytest.raises(ConfigError) as err:
+        rlkit.GRPOConfig(lora=rlkit.LoraConfig(rank="eight"), steps="10", rewards=[rlkit.RewardSpec(weight=None)],
+                         agent={"call_timeout": "fast"})  # fmt: skip
+    assert err.value.problems == ['steps="10": must be an integer, not a string',
+                                  'lora.rank="eight": must be an integer, not a string',
+                                  "rewards[0].weight=None: must be a number, not None",
+                                  'agent.call_timeout="fast": must be a number, not a string']  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^1 problem\(s\) in the config:\n  - critic.lora.rank=4.0: must be an "
+                                          r"integer, not a float$"):  # a table given as a dict, two levels down
+        rlkit.PPOConfig(critic=CriticConfig(lora={"rank": 4.0}))
+    with pytest.raises(ConfigError) as err:
+        rlkit.DPOConfig(beta="0.1", optim=OptimConfig(betas=[0.9, "0.99"]))
+    assert err.value.problems == ['beta="0.1": must be a number, not a string',
+                                  "optim.betas=[0.9, '0.99']: must be a list of 2 numbers, not a list holding a "
+                                  'string ("0.99")']  # fmt: skip
+    with pytest.raises(ConfigError, match=r'max_samples="16": must be an integer, not a string'):
+        rlkit.PrimitivesConfig(max_samples="16")
+    with pytest.raises(ConfigError, match=r"lora=OptimConfig\(lr=1e-05, .*\.\.\.: must be a \[lora\] table "
+                                          r"\(LoraConfig\), not an OptimConfig$"):  # one section for another
+        rlkit.GRPOConfig(lora=OptimConfig())
+
+
+def test_the_right_types_pass_an_int_is_a_number_and_a_list_a_tuple():
+    cfg = GRPOConfig(optim=OptimConfig(lr=1, betas=[0.9, 0.95]), clip_high=None, kl_clamp=5,
+                     data={"train_files": "prompts.jsonl"})  # fmt: skip
+    assert (cfg.optim.lr, cfg.optim.betas, cfg.kl_clamp, cfg.data.train_files) == (1, [0.9, 0.95], 5, ["prompts.jsonl"])
+
+
+def test_a_huge_value_given_is_cut_in_the_message():
+    with pytest.raises(ConfigError) as typed:
+        GRPOConfig(seed=["x" * 10_000])
+    (problem,) = typed.value.problems
+    assert problem.startswith("seed=['xxx") and "...: must be an integer, not a list" in problem and len(problem) < 120
+
+
+def test_a_setting_given_a_wrong_type_after_the_config_was_made_is_named_before_launch():
+    """``Trainer(cluster, config)`` runs check_launch first: dataclasses can be changed after they are checked."""
+    from rlkit.diagnostics import check_launch
+
+    cfg = GRPOConfig()
+    cfg.lora.rank = "8"  # type: ignore[assignment]
+    cfg.rollout.max_new_tokens = 8.0  # type: ignore[assignment]
+    with pytest.raises(ConfigError) as err:
+        check_launch(cfg, world_size=2)
+    assert err.value.problems == ['rollout.max_new_tokens=8.0: must be an integer, not a float',
+                                  'lora.rank="8": must be an integer, not a string']  # fmt: skip
+
+
+def test_the_type_check_reads_every_annotation_of_every_config():
+    """Each setting of each config, given a value of no type any annotation takes, is named by its dotted name: the
+    check covers every field, nested sections included, with no list to keep in step."""
+    import dataclasses
+
+    import rlkit
+    from rlkit.config.fields import settings
+    from rlkit.config.typed import type_problems
+
+    for kind in (rlkit.GRPOConfig, rlkit.PPOConfig, rlkit.DPOConfig, rlkit.KTOConfig, rlkit.PrimitivesConfig):
+        config = kind()
+        names = []
+        for setting in settings(kind):
+            if setting.table.startswith(("rewards", "tools")):
+                continue  # the items of (empty) arrays of tables
+            owner = config
+            for part in filter(None, setting.table.split(".")):
+                owner = getattr(owner, part)
+            if dataclasses.is_dataclass(getattr(owner, setting.name)):
+                continue  # a section: its own settings follow
+            setattr(owner, setting.name, object())
+            names.append(f"{setting.table}.{setting.name}".lstrip("."))
+        assert [p.split("=")[0] for p in type_problems(config)] == names, kind
+
+
+def test_the_type_check_reads_literals_dicts_and_open_tuples_of_any_dataclass():
+    """Annotations no config uses yet, on a dataclass of the test's own: a section added with them is checked."""
+    import dataclasses
+    from typing import Literal
+
+    from rlkit.config.typed import type_problems
+
+    @dataclasses.dataclass
+    class Inner:
+        mode: Literal["a", "b"] = "a"
+
+    @dataclasses.dataclass
+    class Outer:
+        weights: dict[str, float] = dataclasses.field(default_factory=dict)
+        sizes: tuple[int, ...] = ()
+        inner: Inner = dataclasses.field(default_factory=Inner)
+
+    assert type_problems(Outer(weights={"x": 1, "y": 0.5}, sizes=[1, 2, 3], inner=Inner(mode="b"))) == []
+    assert type_problems(Outer(weights={"x": "1"}, sizes=(1, True), inner=Inner(mode="c")), "t") == [
+        "t.weights={'x': '1'}: must be a table of numbers, not a table holding a string (\"1\")",
+        "t.sizes=(1, True): must be a list of integers, not a tuple holding a boolean (True)",
+        't.inner.mode="c": must be one of "a", "b", not a string',
+    ]

@@ -6,6 +6,8 @@ hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
 
 import dataclasses
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -435,3 +437,49 @@ def test_fingerprints_see_order_and_not_summation_noise():
         assert moved.sum() == pytest.approx(float(weight.sum()), abs=1e-3) and differs(same, fingerprint(moved)) > 0.01
     assert differs(same, fingerprint(weight.to(torch.bfloat16))) > TOLERANCE  # a cast the trainer did not make
     assert differs(fingerprint(weight.to(torch.bfloat16)), fingerprint(weight.to(torch.bfloat16).clone())) == 0.0
+
+
+# -- what the reports print and the guide says -------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKUP = re.compile(r"``|:(?:class|func|meth|attr|data|mod|doc):`|\*\*\w[^*]*\*\*|^#+ ", re.MULTILINE)
+"""reStructuredText literals and roles, Markdown bold and headings: markup a cell or a terminal prints as it is."""
+
+
+def test_the_printed_mismatch_and_certify_reports_are_plain_text():
+    """``print(trainer.mismatch())`` and ``print(trainer.certify())`` (its report) show ``|delta|``, not RST."""
+    from rlkit.trainer.mismatch import gap_floor
+
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 0.5)
+    batch.rollout_logprobs = probe.nucleus
+    report = mismatch_report(batch, [probe])
+    certified = gap_floor(report, rlkit.RolloutConfig(top_p=0.5))
+    for text in (str(report), str(certified), str(certified.report)):
+        assert "mean |delta| " in text and not MARKUP.search(text), text
+
+
+def test_no_message_rlkit_makes_carries_restructuredtext_markup():
+    """Every string literal of rlkit that is not a docstring (messages, reports, verdicts) is plain text (a Markdown
+    code fence for TensorBoard's text tab, which renders it, is not a literal)."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "rlkit").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if re.search(r"(?<!`)``(?!`)|:(?:class|func|meth|attr|data|mod):`", node.value):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert not found, "\n".join(found)
+
+
+def test_the_guide_states_the_tolerance_the_floor_uses():
+    """docs/guides/mismatch.md's clean verdict: both tolerances add FLOAT_NOISE nats (it said 1e-6; the code 1e-4)."""
+    from rlkit.diagnostics.floor import FLOAT_NOISE
+
+    guide = (ROOT / "docs" / "guides" / "mismatch.md").read_text()
+    verdict = guide[guide.index('The verdict is "clean"'):guide.index("Otherwise")]
+    stated = re.findall(r"plus\s+(\d(?:\.\d+)?e-\d+)", verdict)
+    assert len(stated) == 2 and all(float(value) == FLOAT_NOISE for value in stated), stated

@@ -41,11 +41,15 @@ class Outcome:
     def history(self) -> pd.DataFrame:
         return self.trainer.history if self.trainer is not None else pd.DataFrame()
 
-    def failed(self, exc: BaseException, trainer: PolicyTrainerBase | None, cluster: Cluster) -> None:
+    def failed(
+        self, exc: BaseException, trainer: PolicyTrainerBase | None, cluster: Cluster, resuming: Path | None = None
+    ) -> None:
         """Keep ``exc``; if a reward function failed (no model changed) save the last completed step, so that a
-        resume loses nothing (a failure inside the workers may have left the models half-updated: not saved)."""
+        resume loses nothing (a failure inside the workers may have left the models half-updated: not saved).
+        ``resuming``: the checkpoint the run was resuming from, still there when the trainer failed to start."""
         self.error = exc
         if trainer is None:
+            self.kept = resuming
             return
         self.step = trainer.steps_done + 1
         folder = checkpoint_folder(trainer.config, trainer.output_dir)

@@ -271,7 +271,7 @@ def _train_on(run: Run, folder: RunFolder, cluster: Cluster) -> Outcome:
         if run.config.checkpoint.save_final:
             outcome.final = trainer.save_model(folder.path / FINAL)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - kept in the outcome, reported by _finish
-        outcome.failed(exc, trainer, cluster)
+        outcome.failed(exc, trainer, cluster, resuming=folder.checkpoint)
     finally:
         if trainer is not None:
             trainer.close()

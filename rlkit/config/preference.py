@@ -17,6 +17,7 @@ from rlkit.config.data import PreferenceDataConfig, PreferenceValidationConfig, 
 from rlkit.config.installed import torch_companion_problems, tracker_install_problems
 from rlkit.config.sections import CheckpointConfig, FSDPConfig, OptimConfig
 from rlkit.config.tables import config_from_tables, convert_tables
+from rlkit.config.typed import type_problems
 
 
 @dataclass(kw_only=True)
@@ -61,7 +62,7 @@ class PreferenceConfig:
 
     def __post_init__(self) -> None:
         convert_tables(self)
-        problems = self.problems()
+        problems = type_problems(self) or self.problems()  # the value checks need values of the right types
         if problems:
             raise ConfigError(problems)
 

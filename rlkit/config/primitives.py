@@ -10,6 +10,7 @@ from rlkit.config.checks import ConfigError, need
 from rlkit.config.lora import LoraConfig
 from rlkit.config.sections import FSDPConfig, RolloutConfig
 from rlkit.config.tables import convert_tables
+from rlkit.config.typed import type_problems
 
 
 @dataclass(kw_only=True)
@@ -35,7 +36,7 @@ class PrimitivesConfig:
 
     def __post_init__(self) -> None:
         convert_tables(self)
-        problems = self.problems()
+        problems = type_problems(self) or self.problems()  # the value checks need values of the right types
         if problems:
             raise ConfigError(problems)
 

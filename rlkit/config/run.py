@@ -28,6 +28,7 @@ from rlkit.config.sections import (
     attention_problems,
 )
 from rlkit.config.tables import config_from_tables, convert_tables
+from rlkit.config.typed import type_problems
 
 
 @dataclass(kw_only=True)
@@ -188,7 +189,7 @@ class RLConfig:
         if isinstance(self.rollout, str):
             self.rollout = RolloutConfig(engine=self.rollout)
         convert_tables(self)
-        problems = self.problems()
+        problems = type_problems(self) or self.problems()  # the value checks need values of the right types
         if problems:
             raise ConfigError(problems)
 

@@ -89,7 +89,7 @@ def from_table(kind: type, data: dict[str, Any], where: str) -> Any:
     if problems:
         raise ConfigError(problems)
     data = dict(data)
-    if "betas" in data:
+    if isinstance(data.get("betas"), list):  # TOML has no tuples (another type is named by the config's check)
         data["betas"] = tuple(data["betas"])
     for name, (table, many) in nested_kinds(kind).items():
         value = data.get(name)
@@ -116,7 +116,8 @@ def config_from_tables(kind: type, data: dict[str, Any]) -> Any:
 
 
 def convert_tables(config: Any) -> None:
-    """Replace, in place, every nested dict field of ``config`` by its dataclass (a config's __post_init__)."""
+    """Replace, in place, every nested dict field of ``config`` (at any depth) by its dataclass (a config's
+    __post_init__)."""
     for name, (kind, many) in nested_kinds(type(config)).items():
         value = getattr(config, name)
         _check_list(name, value, many, "")
@@ -125,6 +126,8 @@ def convert_tables(config: Any) -> None:
                                    for i, v in enumerate(value)])  # fmt: skip
         elif isinstance(value, dict):
             setattr(config, name, from_table(kind, value, name))
+        elif isinstance(value, kind):
+            convert_tables(value)  # a section made in Python may hold dicts: critic=CriticConfig(lora={...})
 
 
 def _check_list(name: str, value: Any, many: bool, where: str) -> None:

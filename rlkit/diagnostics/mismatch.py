@@ -91,7 +91,7 @@ class MismatchReport:
 
     def __str__(self) -> str:
         s = self.summary
-        head = (f"{int(s.get('tokens', 0))} tokens: mean ``|delta|`` {s.get('abs_delta_mean', math.nan):.3g}, "
+        head = (f"{int(s.get('tokens', 0))} tokens: mean |delta| {s.get('abs_delta_mean', math.nan):.3g}, "
                 f"max {s.get('abs_delta_max', math.nan):.3g}, k3 {s.get('kl_k3', math.nan):.3g}")  # fmt: skip
         lines = [head, self.verdict]
         for row in self.checks.itertuples():

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlkit.config import ConfigError
+from rlkit.config.typed import type_problems
 from rlkit.diagnostics import rules
 from rlkit.diagnostics.estimate import MemoryEstimate, estimate_memory
 from rlkit.diagnostics.lint import SEVERITIES, Finding, Findings
@@ -27,9 +28,12 @@ if TYPE_CHECKING:
 def check_launch(config: RLConfig | PreferenceConfig, world_size: int, device: str = "cpu", **placement: Any) -> None:
     """Raise ConfigError with every problem at once: the config against ``world_size`` ranks on ``device``
     (``config.cluster_problems``; ``placement``: its ``nodes`` and ``node_gpus`` for GRPO/PPO) and what the model's
-    family lacks for FSDP and the rollout engine (``rlkit.models.model_family_problems``)."""
-    problems = config.cluster_problems(world_size, device, **placement)
-    problems += model_family_problems(config, device, world_size)
+    family lacks for FSDP and the rollout engine (``rlkit.models.model_family_problems``). Settings of the wrong type
+    (set on the config after it was made: ``config.lora.rank = "8"``) are named first, all of them."""
+    problems = type_problems(config)
+    if not problems:
+        problems = config.cluster_problems(world_size, device, **placement)
+        problems += model_family_problems(config, device, world_size)
     if problems:
         raise ConfigError(problems)
 

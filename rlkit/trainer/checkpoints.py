@@ -1,11 +1,11 @@
 """Checkpoint folders on disk: atomic publication, discovery of the latest complete one, keep-last-K.
 
 A checkpoint is ``<root>/step-<N>/`` holding ``trainer.json`` (config, step,
-prompt position, history), ``actor/`` (distributed checkpoint of the actor and
-its optimizer), ``actor_rank<r>.pt`` and ``rng_rank<r>.pt`` (schedule and RNG
-per rank), with PPO ``critic/`` and ``critic_rank<r>.pt``, and ``hf/`` (a
-Hugging Face export). It is written under a hidden ``.step-<N>.partial-*`` name and
-renamed into place only when complete, so a crash mid-save leaves the previous
+prompt position, history, its models' shapes: :func:`model_record`), ``actor/``
+(distributed checkpoint of the actor and its optimizer), ``actor_rank<r>.pt`` and
+``rng_rank<r>.pt`` (schedule and RNG per rank), with PPO ``critic/`` and
+``critic_rank<r>.pt``, and ``hf/`` (a Hugging Face export). It is written under a
+hidden ``.step-<N>.partial-*`` name and renamed into place only when complete, so a crash mid-save leaves the previous
 checkpoints untouched and the partial one is never picked up.
 """
 
@@ -109,13 +109,49 @@ SHAPE_SETTINGS = ("lora.rank", "lora.target_modules", "lora.modules_to_save", "c
                   "critic.lora.target_modules", "critic.lora.modules_to_save")  # fmt: skip
 """Settings that change which tensors a checkpoint holds, and their shapes: a resume must keep them."""
 
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+                "num_local_experts", "moe_intermediate_size")  # fmt: skip
+"""The fields of a model's config.json (or of its ``text_config``) that decide its tensors and their shapes."""
+
+
+def model_record(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What a checkpoint records of its run's models (``config``: ``to_dict()`` output): per role, the ``model`` setting
+    and the SHAPE_FIELDS of that model's config.json as it is now ({} where it cannot be read)."""
+    return {role: {"model": model, "shape": _shape(model)} for role, model in _models(config).items()}
+
+
+def _models(config: dict[str, Any]) -> dict[str, str]:
+    """setting -> the model it names: the policy's ``model``, and PPO's ``critic.model`` ("" is the policy's)."""
+    models = {"model": str(config.get("model", ""))}
+    critic = config.get("critic")
+    if isinstance(critic, dict):
+        models["critic.model"] = str(critic.get("model") or models["model"])
+    return models
+
+
+def _shape(model: str) -> dict[str, Any]:
+    """SHAPE_FIELDS of ``model``'s config.json (``text_config.`` ones too); {} without a readable one."""
+    from rlkit.models import resolve_model_dir
+
+    try:
+        with open(resolve_model_dir(model) / "config.json") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    text = found.get("text_config") if isinstance(found.get("text_config"), dict) else {}
+    shape = {key: found[key] for key in SHAPE_FIELDS if key in found}
+    return shape | {f"text_config.{key}": text[key] for key in SHAPE_FIELDS if key in text}
+
 
 def resume_problems(checkpoint: Path, config: Any) -> list[str]:
-    """What stops ``config`` from resuming ``checkpoint`` (read before any worker loads it): each setting of
+    """What stops ``config`` from resuming ``checkpoint`` (read before any worker loads it): a model whose tensors
+    have other shapes than the checkpoint's model (its config.json), named with both models, and each setting of
     SHAPE_SETTINGS whose value differs from the checkpoint's run, named with both values."""
-    saved = read_meta(checkpoint)["config"]
+    meta = read_meta(checkpoint)
+    saved = meta["config"]
     now = config.to_dict()
-    problems = []
+    problems = _model_problems(checkpoint, meta.get("models") or model_record(saved), model_record(now))
     for setting in SHAPE_SETTINGS:
         before, after = _lookup(saved, setting), _lookup(now, setting)
         if before != after:
@@ -123,6 +159,29 @@ def resume_problems(checkpoint: Path, config: Any) -> list[str]:
                 f"the checkpoint {checkpoint.name} has {setting} {before!r}, the config {after!r}: its tensors "
                 f"have other shapes; resume with {setting} = {before!r}, or start a new run"
             )
+    return problems
+
+
+def _model_problems(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """One problem per role whose model now has other SHAPE_FIELDS than the checkpoint's (checkpoints written before
+    rlkit recorded them: its model's folder as it is now)."""
+    problems = []
+    for role, before in saved.items():
+        after = now.get(role)
+        if after is None or not before["shape"] or not after["shape"]:
+            continue
+        differ = [k for k in before["shape"] if k in after["shape"] and before["shape"][k] != after["shape"][k]]
+        if not differ:
+            continue
+        was = ", ".join(f"{k} {before['shape'][k]}" for k in differ)
+        is_ = ", ".join(f"{k} {after['shape'][k]}" for k in differ)
+        same = before["model"] == after["model"]
+        problems.append(
+            f'the checkpoint {checkpoint.name} was trained from {role} = "{before["model"]}" ({was}); the config\'s '
+            f'{role} = "{after["model"]}" {"is now" if same else "has"} {is_}: its tensors have other shapes. Resume '
+            f'with {role} = "{before["model"]}"' + (" as it was" if same else "") + ", or start a new run (without "
+            "--resume, in another output_dir)"
+        )
     return problems
 
 

@@ -41,7 +41,7 @@ class GapFloor:
     floor: float
     """Mean ``|trainer - reference|`` over the same tokens (rlkit.diagnostics.floor): what an honest engine leaves."""
     tolerance: float
-    """The excess over the floor still called the floor (3 standard errors over the rows + 1e-6)."""
+    """The excess over the floor still called the floor (3 standard errors over the rows + FLOAT_NOISE, 1e-4)."""
     causes: list[str]
     """The checks of :class:`~rlkit.diagnostics.mismatch.MismatchReport` that named a cause."""
     verdict: str

@@ -199,6 +199,7 @@ class PreferenceTrainer(PolicyTrainerBase):
             raise
         meta = {
             "config": self.config.to_dict(),
+            "models": checkpoints.model_record(self.config.to_dict()),
             "steps_done": self.steps_done,
             "examples": self._examples.state_dict(),
             "history": self._rows,

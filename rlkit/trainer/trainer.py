@@ -450,6 +450,7 @@ class Trainer(PolicyTrainerBase):
             raise
         meta = {
             "config": self.config.to_dict(),
+            "models": checkpoints.model_record(self.config.to_dict()),
             "steps_done": self.steps_done,
             "prompts": self._position,
             "history": self._rows,
@@ -481,14 +482,17 @@ class Trainer(PolicyTrainerBase):
         [[rewards]], [[tools]], environment) or defaults.
         ``config``: the run's settings (default: the checkpoint's), e.g. with more ``steps``; ``fit()`` then runs
         the steps left to ``config.steps``. The trainer writes into the config's ``output_dir``: the same run folder.
+        A model or LoRA setting that gives the checkpoint's tensors other shapes raises ConfigError naming both,
+        before anything reaches the cluster (``rlkit.trainer.checkpoints.resume_problems``).
         """
         checkpoint = checkpoints.resolve(path)
         meta = checkpoints.read_meta(checkpoint)
-        if config is not None and (problems := checkpoints.resume_problems(checkpoint, config)):
+        config = config if config is not None else config_from_dict(meta["config"])
+        if problems := checkpoints.resume_problems(checkpoint, config):  # before any worker loads a tensor
             raise ConfigError(problems)
         trainer = cls(
             cluster,
-            config if config is not None else config_from_dict(meta["config"]),
+            config,
             reward_fn=reward_fn,
             prompts=prompts,
             val_prompts=val_prompts,
