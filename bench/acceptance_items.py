@@ -33,6 +33,9 @@ from workloads import build_model_dir, digit_prompts, random_rewards
 
 UNDER = 0.05
 """The most a phase's measured peak may exceed its estimate (issue 43: under-prediction is the dangerous side)."""
+JUDGED_GIB = 1.0
+"""Phases whose estimate and peak are both under this are reported, not judged (the tiny agent's: rounding to 0.01
+GiB alone moves their ratio by percents)."""
 MARKER_WAIT_S = 240.0
 """How long a killed-driver item waits for its driver to start generating."""
 REAP_WAIT_S = 30.0
@@ -87,19 +90,26 @@ def estimate_check(config, model_dir: Path, marks, device_gib: float, fixed: boo
 
 def estimate_problems(rows: list[dict], tolerance: float) -> list[str]:
     """The phases whose measured peak exceeds the estimate by more than :data:`UNDER`, or misses it by more than
-    ``tolerance`` either way (rows of ``MemoryEstimate.compare_marks``)."""
+    ``tolerance`` either way (rows of ``MemoryEstimate.compare_marks``; those under :data:`JUDGED_GIB` pass)."""
     problems = []
     for r in rows:
         ratio = r["measured/predicted"]
+        if max(r["measured_gib"], r["predicted_gib"]) < JUDGED_GIB:
+            continue
         if ratio > 1 + UNDER or abs(ratio - 1) > tolerance:
             problems.append(f"{r['phase']} measured {r['measured_gib']} GiB against {r['predicted_gib']} predicted "
                             f"({ratio:.3f}; limits: under by <= {UNDER:.0%}, off by <= {tolerance:.0%})")  # fmt: skip
     return problems
 
 
-def finite_losses(history) -> list[str]:
-    bad = [c for c in history.columns if c.startswith("loss") and not history[c].map(math.isfinite).all()]
-    return [f"non-finite {c}: {history[c].tolist()}" for c in bad]
+LOSSES = ("actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm")
+"""The step metrics that must be finite on every step where they are reported."""
+
+
+def finite_losses(rows: list[dict]) -> list[str]:
+    """The :data:`LOSSES` that are not finite in ``rows`` (a history's records, or preference steps' rows)."""
+    bad = {k for r in rows for k in LOSSES if k in r and not math.isfinite(r[k])}
+    return [f"non-finite {k}: {[r.get(k) for r in rows]}" for k in sorted(bad)]
 
 
 Check = Callable[..., list[str]]
@@ -125,7 +135,7 @@ def train(ctx: Context, name: str, *, engine: str = "hf", shape: str | None = No
             trainer.step()
         problems = check(trainer, cluster) if check else []
         history, marks, device_gib = trainer.history, trainer.memory(), cluster.run(device_memory_gib)[0]
-    problems += finite_losses(history)
+    problems += finite_losses(history.to_dict("records"))
     notes, rows = [f"{steps} steps"], []
     if math.isfinite(device_gib):
         rows, off = estimate_check(config, model_dir, marks, device_gib, fixed)
@@ -195,7 +205,8 @@ def agentic(kind: str) -> Callable[[Context], Outcome]:
         from rlkit.data.agent_tasks import GuessNumber, answer_reward, calculator, guess_prompts, product_prompts
         from rlkit.models.tiny import TINY_AGENT_DIR
 
-        settings = ("rollout.max_new_tokens=96", "rollout.min_new_tokens=0", "data.max_prompt_tokens=128",
+        # the tiny agent's 128 positions: 64 for the prompt, 64 for all turns
+        settings = ("rollout.max_new_tokens=64", "rollout.min_new_tokens=0", "data.max_prompt_tokens=64",
                     f"agent.max_turns={2 if kind == 'tool' else 4}")  # fmt: skip
         kwargs = ({"tools": [calculator], "prompts": product_prompts(64, 0), "reward_fn": answer_reward}
                   if kind == "tool" else {"environment": GuessNumber, "prompts": guess_prompts(64, 0)})  # fmt: skip
@@ -205,32 +216,48 @@ def agentic(kind: str) -> Callable[[Context], Outcome]:
     return run
 
 
+def actor_digest() -> dict[str, tuple[float, float]]:
+    """On a worker: each actor weight's sum and sum of squares (float64), a collective on the full weights."""
+    import torch
+
+    from rlkit.fsdp import iter_full_params
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    digest = {}
+    for name, value in iter_full_params(local_instance(PolicyWorker).actor.model):
+        v = value.detach().to(torch.float64)
+        digest[name] = (v.sum().item(), v.square().sum().item())
+    return digest
+
+
 def checkpoint(ctx: Context) -> Outcome:
-    """A step, save, resume on the same cluster: the step count, history and prompt position come back, and the
-    resumed run steps on."""
+    """A step and a save; a resume on a new cluster: the same actor weights (bit for bit), step count and history,
+    and the resumed run steps on."""
     import rlkit
 
     model_dir = build_model_dir(ctx.shape, ctx.root)
-    config = rlkit.GRPOConfig.from_dict(base_config(ctx, model_dir, "hf", 3))
-    data = {"reward_fn": random_rewards, "prompts": digit_prompts(12 * config.prompts_per_step, 32)}
+    config = rlkit.GRPOConfig.from_dict(base_config(ctx, model_dir, "hf", 2))
+    data = {"reward_fn": random_rewards, "prompts": digit_prompts(8 * config.prompts_per_step, 32)}
     problems = []
-    with tempfile.TemporaryDirectory() as folder, rlkit.launch(world_size=1, device=ctx.device) as cluster:
-        trainer = rlkit.Trainer(cluster, config, **data)
-        trainer.step()
-        saved = trainer.save(folder)
-        before = trainer.history
-        trainer.step()  # the step the resumed run must repeat
-        repeat = trainer.history.iloc[-1]
-        resumed = rlkit.Trainer.resume(cluster, saved, **data)
-        if resumed.steps_done != 1 or len(resumed.history) != len(before):
-            problems.append(f"resumed at step {resumed.steps_done} with {len(resumed.history)} history rows")
-        resumed.step()
-        again = resumed.history.iloc[-1]
-        for key in ("reward/mean", "loss/policy"):
-            if key in again and not math.isclose(again[key], repeat[key], rel_tol=1e-2, abs_tol=1e-4):
-                problems.append(f"{key} of the repeated step: {again[key]} resumed, {repeat[key]} before")
-        exported = sorted(p.name for p in Path(saved).iterdir())
-    return outcome(problems, [f"saved {Path(saved).name} ({', '.join(exported)}); resumed and stepped on"])
+    with tempfile.TemporaryDirectory() as folder:
+        with rlkit.launch(world_size=1, device=ctx.device) as cluster:
+            trainer = rlkit.Trainer(cluster, config, **data)
+            trainer.step()
+            saved, rows = trainer.save(folder), len(trainer.history)
+            before = cluster.run(actor_digest)[0]
+        with rlkit.launch(world_size=1, device=ctx.device) as cluster:  # a new driver's cluster, as after a crash
+            resumed = rlkit.Trainer.resume(cluster, saved, **data)
+            after = cluster.run(actor_digest)[0]
+            if resumed.steps_done != 1 or len(resumed.history) != rows:
+                problems.append(f"resumed at step {resumed.steps_done} with {len(resumed.history)} history rows")
+            differ = [name for name in before if before[name] != after.get(name)]
+            if differ or set(after) != set(before):
+                problems.append(f"{len(differ)} of {len(before)} actor weights differ after resume: {differ[:3]}")
+            resumed.step()
+            problems += finite_losses(resumed.history.to_dict("records"))
+        files = sorted(p.name for p in Path(saved).iterdir())
+    return outcome(problems, [f"saved {Path(saved).name} ({', '.join(files)}); weights equal after resume; stepped on"])
 
 
 def preference(algorithm: str) -> Callable[[Context], Outcome]:
@@ -253,9 +280,9 @@ def preference(algorithm: str) -> Callable[[Context], Outcome]:
             trainer = rlkit.PreferenceTrainer(cluster, config, pairs=pairs)
             rows = [trainer.step() for _ in range(2)]
             peak = float(trainer.memory()["peak_mb"].max()) / 1024
-        bad = [f"{k}={v}" for r in rows for k, v in r.items() if k.startswith("loss") and not math.isfinite(v)]
-        return outcome(bad, [f"2 steps, losses {[r.get('loss') for r in rows]}, peak {peak:.2f} GiB (no estimate: "
-                             "the preflight covers RL configs only)"])  # fmt: skip
+        losses = [r.get("actor/loss") for r in rows]
+        return outcome(finite_losses(rows), [f"2 steps, actor/loss {losses}, peak {peak:.2f} GiB (no estimate: the "
+                                             "preflight covers RL configs only)"])  # fmt: skip
 
     return run
 
@@ -360,18 +387,22 @@ def tinker_server(ctx: Context) -> Outcome:
 
 
 def generating_driver(ctx: Context, marker: Path) -> None:
-    """A driver that starts a long rollout (vLLM on a GPU) and touches ``marker`` as it does."""
+    """A driver that generates until it is killed (64 x 8 completions of 2,048 tokens a rollout with vLLM on a GPU;
+    16 x 4 of 256 with the hf engine on a CPU), writing the processes it started to ``marker`` as it begins."""
     from grpo_step import merged
 
     import rlkit
 
     model_dir = build_model_dir(ctx.shape, ctx.root)
-    long = {"prompts_per_step": 64, "group_size": 8, "rollout": {"max_new_tokens": 2048, "min_new_tokens": 2048}}
+    prompts, group, tokens = (16, 4, 256) if ctx.cpu else (64, 8, 2048)
+    long = {"prompts_per_step": prompts, "group_size": group,
+            "rollout": {"max_new_tokens": tokens, "min_new_tokens": tokens}}  # fmt: skip
     config = rlkit.GRPOConfig.from_dict(merged(base_config(ctx, model_dir, "hf" if ctx.cpu else "vllm", 1), long))
     with rlkit.launch(world_size=1, device=ctx.device) as cluster:
-        trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards, prompts=digit_prompts(64, 32))
+        trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards, prompts=digit_prompts(prompts, 32))
         marker.write_text(json.dumps(descendants()))
-        trainer.rollout()
+        while True:
+            trainer.rollout()
 
 
 def descendants(pid: int | None = None) -> list[int]:

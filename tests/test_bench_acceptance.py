@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import acceptance  # noqa: E402
-from acceptance_items import UNDER, estimate_problems  # noqa: E402
+from acceptance_items import JUDGED_GIB, UNDER, estimate_problems  # noqa: E402
 
 VERDICT = "import json, sys; json.dump({{'passed': {passed}, 'detail': {detail!r}}}, open(sys.argv[-1], 'w'))"
 SCRIPTS = {
@@ -143,3 +143,10 @@ def test_a_phase_fails_under_predicted_by_more_than_5_percent_or_off_by_more_tha
     assert UNDER == 0.05
     if named:
         assert problems[0].startswith("update measured") and f"({ratio:.3f};" in problems[0]
+
+
+def test_phases_under_a_gib_are_reported_not_judged():
+    rows = [{"phase": "generate", "predicted_gib": 0.01, "measured_gib": 0.03, "measured/predicted": 3.0},
+            {"phase": "update", "predicted_gib": 0.9, "measured_gib": 1.2, "measured/predicted": 1.333}]  # fmt: skip
+    assert JUDGED_GIB == 1.0
+    assert [p.split()[0] for p in estimate_problems(rows, 0.15)] == ["update"]
