@@ -33,8 +33,9 @@ accept() {  # accept ITEM...: the items, under the rest of the call's budget, in
     return
   fi
   local used=$(( $(date +%s) - START ))
+  # shellcheck disable=SC2086  # ACCEPTANCE_ARGS: more options, e.g. "--device cpu --shape tiny --slow 5" (a dry run)
   python3 bench/acceptance.py --out "$OUT/acceptance.json" --budget $(( BUDGET - used )) --root "$MODELS" \
-    --raw "$RAW" "$@"
+    --raw "$RAW" ${ACCEPTANCE_ARGS:-} "$@"
 }
 
 install_tinker() {  # the Tinker SDK 0.38 and its dependencies, in a target of their own (last on the path)

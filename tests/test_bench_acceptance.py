@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 import textwrap
 import time
@@ -150,3 +151,20 @@ def test_phases_under_a_gib_are_reported_not_judged():
             {"phase": "update", "predicted_gib": 0.9, "measured_gib": 1.2, "measured/predicted": 1.333}]  # fmt: skip
     assert JUDGED_GIB == 1.0
     assert [p.split()[0] for p in estimate_problems(rows, 0.15)] == ["update"]
+
+
+def test_the_plan_schedules_every_item_once_within_each_calls_budget():
+    from acceptance_items import ITEMS
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    plan = subprocess.run(["bash", str(root / "bench" / "acceptance.sh"), "plan"], capture_output=True, text=True,
+                          env=env, check=True, timeout=60).stdout  # fmt: skip
+    rows = [line.split() for line in plan.splitlines() if line.startswith("  a")]
+    scheduled = [name for _, name, _, _ in rows if name in ITEMS]
+    assert sorted(scheduled) == sorted(ITEMS), plan
+    per_call: dict[str, int] = {}
+    for call, _, seconds, _ in rows:
+        per_call[call] = per_call.get(call, 0) + int(seconds)
+    assert list(per_call) == [f"a{i}" for i in range(1, 9)] and max(per_call.values()) <= 270, per_call
+    assert "over the 270 s budget" not in plan
