@@ -346,8 +346,11 @@ def certify_checks(trainer, cluster) -> list[str]:
 
 
 def certify(ctx: Context) -> Outcome:
-    return train(ctx, "certify", engine="hf" if ctx.cpu else "vllm", steps=1, check=certify_checks,
-                 settings=("rollout.temperature=0.7",))  # fmt: skip
+    """certify_checks at temperature 0.7, without min_new_tokens (its suppressed end-of-text is a cause certify
+    names: the healthy run must sample as the trainer scores)."""
+    settings = ("rollout.temperature=0.7", "rollout.min_new_tokens=0")
+    return train(ctx, "certify", engine="hf" if ctx.cpu else "vllm", steps=1, check=certify_checks, settings=settings,
+                 fixed=False)  # fmt: skip
 
 
 # -- the Tinker server --------------------------------------------------------------------------------------------
