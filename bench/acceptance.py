@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,8 @@ KILL_WAIT_S = 10.0
 """How long an item's process group has to exit after SIGTERM before SIGKILL."""
 DETAIL_LINES = 15
 """Lines of a failed item's output kept in its detail."""
+ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*$", re.MULTILINE)
+"""A raised exception's last traceback line, e.g. "KeyError: 'model.layers.0.self_attn.q_proj.weight'"."""
 
 
 def read_device(device: str) -> tuple[str, float | None]:
@@ -124,7 +127,9 @@ def run_item(name: str, command: list[str], timeout_s: float) -> dict:
     if code is None:
         passed, detail = False, f"timed out after {timeout_s:.0f} s and was stopped; output ends:\n{tail}"
     elif verdict is None:
-        passed, detail = False, f"exit status {code} without a verdict; output ends:\n{tail}"
+        errors = [m.group(0) for m in ERROR_LINE.finditer(output)]
+        raised = f": {errors[-1]}" if errors else ""
+        passed, detail = False, f"exit status {code} without a verdict{raised}; output ends:\n{tail}"
     else:
         passed, detail = verdict["passed"] and code == 0, verdict["detail"]
         if code != 0:

@@ -102,6 +102,8 @@ def estimate_problems(rows: list[dict], tolerance: float) -> list[str]:
     return problems
 
 
+SHOWN = ("agent/turns/mean", "agent/tool_calls/mean", "rollout_correction/weight/mean", "rollout/logprob_gap/mean")
+"""Metrics an item's detail shows (the last step's), where its run reports them."""
 LOSSES = ("actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm")
 """The step metrics that must be finite on every step where they are reported."""
 
@@ -136,7 +138,9 @@ def train(ctx: Context, name: str, *, engine: str = "hf", shape: str | None = No
         problems = check(trainer, cluster) if check else []
         history, marks, device_gib = trainer.history, trainer.memory(), cluster.run(device_memory_gib)[0]
     problems += finite_losses(history.to_dict("records"))
-    notes, rows = [f"{steps} steps"], []
+    last = history.iloc[-1]
+    notes = [f"{steps} steps" + "".join(f", {k} {last[k]:.4g}" for k in SHOWN if k in last)]
+    rows: list[dict] = []
     if math.isfinite(device_gib):
         rows, off = estimate_check(config, model_dir, marks, device_gib, fixed)
         problems += off
