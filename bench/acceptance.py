@@ -77,6 +77,7 @@ def record_item(path: Path, record: dict, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
         json.dump(record, f, indent=1, default=str)
+    os.chmod(f.name, 0o644)  # a temporary file's 0600 otherwise
     os.replace(f.name, path)
 
 

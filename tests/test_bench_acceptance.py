@@ -91,6 +91,7 @@ def test_every_item_is_recorded_and_a_crash_or_hang_never_stops_the_next(run):
     assert items["too-long"]["detail"].startswith("not run: needs ~10000 s")
     assert items["gpu-only"]["detail"] == "not run: needs a GPU" and not items["gpu-only"]["ran"]
     assert sorted(p.name for p in run.out.parent.iterdir()) == ["acceptance.json"]  # no temporary files left
+    assert stat.S_IMODE(run.out.stat().st_mode) == 0o644
 
 
 def test_a_later_call_continues_the_record_and_replaces_re_run_items(run):
