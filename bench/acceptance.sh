@@ -12,10 +12,9 @@
 #   a3    .whl/vllm/c2                bash bench/acceptance.sh a3   (carrying)
 #   a4    .whl/vllm/c3                bash bench/acceptance.sh a4   (carrying)
 #   a5    .whl/vllm/c4                bash bench/acceptance.sh a5   (carrying)
-#   a6    .whl/vllm/c5 .whl/tinker    bash bench/acceptance.sh a6   vLLM + Tinker SDK install; GRPO vLLM, correction
-#                                                                   on, LoRA adapter sync into vLLM
-#   a7    (nothing)                   bash bench/acceptance.sh a7   certify(), agentic x2, a driver killed (TERM, KILL)
-#   a8    (nothing)                   bash bench/acceptance.sh a8   the Tinker SDK against rlkit.serve_tinker
+#   a6    .whl/vllm/c5 .whl/tinker    bash bench/acceptance.sh a6   vLLM + Tinker SDK install; GRPO vLLM, correction on
+#   a7    (nothing)                   bash bench/acceptance.sh a7   LoRA adapter sync into vLLM, certify(), agentic x2
+#   a8    (nothing)                   bash bench/acceptance.sh a8   a driver killed (SIGTERM, SIGKILL); the Tinker SDK
 #
 # A call continues the record the last call left in /tmp (a fresh machine: the committed one named by
 # ACCEPTANCE_RECORD, if any); an item already in it is replaced. Items the rest of a call's budget (BUDGET, 270 s)
@@ -64,11 +63,11 @@ a6() {
   fetch vllm/c5
   install_vllm || { echo "vLLM install failed"; return 1; }
   install_tinker
-  accept grpo-vllm correction-vllm lora-vllm-adapter
+  accept grpo-vllm correction-vllm  # the first engine start compiles: most of the call is left to it
 }
 
-a7() { accept certify-vllm agentic-tool agentic-env kill-sigterm kill-sigkill; }
-a8() { accept tinker; }
+a7() { accept lora-vllm-adapter certify-vllm agentic-tool agentic-env; }
+a8() { accept kill-sigterm kill-sigkill tinker; }
 
 CALLS=(a1 a2 a3 a4 a5 a6 a7 a8)
 declare -A ESTIMATES=()
