@@ -12,8 +12,10 @@ SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
 }
+SHAPES |= {f"{name}-untied": {**SHAPES[name], "tie_word_embeddings": False} for name in ("0.5b", "tiny")}
 """Qwen2.5-0.5B, -1.5B, -3B and -7B shapes (their released configs; rope_theta and the rest are Qwen2Config's
-defaults, which do not change the cost), and a tiny one for trying the scripts on a CPU."""
+defaults, which do not change the cost), a tiny one for trying the scripts on a CPU, and untied
+variants of 0.5B and tiny (an output head of its own, as real 7-8B models have)."""
 
 PEAK_BF16_FLOPS = 989e12
 """H100/H200 SXM dense bf16 peak, the usual MFU denominator."""
