@@ -32,12 +32,23 @@ class Reply:
     content_type: str = "application/json"
 
 
-def then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
-    """A future of ``fn(future.result())`` (its exception when either raises). Cancelling it cancels ``future`` if
-    that has not started."""
-    out: Future[U] = Future()
+class Linked(Future[T]):
+    """A future that follows another (``source``): it cancels only if its source does, i.e. before that started."""
 
-    out.add_done_callback(lambda o: future.cancel() if o.cancelled() else None)
+    def __init__(self, source: Future[Any] | None = None):
+        super().__init__()
+        self.source = source
+
+    def cancel(self) -> bool:
+        if self.source is not None and not self.source.cancel():
+            return False
+        return super().cancel()
+
+
+def then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
+    """A future of ``fn(future.result())`` (its exception when either raises); cancelling it cancels ``future``,
+    and fails while ``future`` runs."""
+    out: Linked[U] = Linked(future)
     future.add_done_callback(lambda done: _settle(out, lambda: fn(done.result())))
     return out
 
@@ -171,11 +182,11 @@ class SeqOrder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 1
-        self._waiting: dict[int, tuple[Callable[[], Future[Reply]], Future[Reply]]] = {}
+        self._waiting: dict[int, tuple[Callable[[], Future[Reply]], Linked[Reply]]] = {}
 
     def submit(self, seq_id: int, start: Callable[[], Future[Reply]]) -> Future[Reply]:
         """``start()``'s future, once every smaller ``seq_id`` has started."""
-        proxy: Future[Reply] = Future()
+        proxy: Linked[Reply] = Linked()
         with self._lock:
             if seq_id < self._next or seq_id in self._waiting:
                 return failed(ValueError(f"seq_id={seq_id} was already used: each call needs a new one"))
@@ -187,7 +198,7 @@ class SeqOrder:
         return proxy
 
 
-def _start_into(start: Callable[[], Future[Reply]], proxy: Future[Reply]) -> None:
+def _start_into(start: Callable[[], Future[Reply]], proxy: Linked[Reply]) -> None:
     if proxy.cancelled():
         return
     try:
@@ -196,7 +207,7 @@ def _start_into(start: Callable[[], Future[Reply]], proxy: Future[Reply]) -> Non
         with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
             proxy.set_exception(exc)
         return
-    proxy.add_done_callback(lambda p: future.cancel() if p.cancelled() else None)
+    proxy.source = future
     future.add_done_callback(lambda done: _settle(proxy, done.result))
 
 

@@ -8,6 +8,7 @@ other path is refused at once, naming it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -107,6 +108,7 @@ class TinkerService:
     def handle(self, method: str, path: str, body: bytes, content_encoding: str | None) -> Reply:
         """The answer to one authenticated request: a malformed one gets a 4xx naming what is wrong."""
         name = path.split("?")[0].removeprefix(API) if path.startswith(API) else None
+        payload: dict[str, Any] = {}
         try:
             if name == "forward_backward" and method == "POST":
                 return self._forward_backward(body, content_encoding)
@@ -125,7 +127,9 @@ class TinkerService:
             return route(payload)
         except (ValueError, KeyError, TypeError) as exc:
             logger.info("Tinker %s %s refused: %s", method, path, exc)
-            return error_reply(exc.status if isinstance(exc, Refused) else 400, f"{path}: {self._public(exc)}")
+            message = f"{path}: {self._public(exc)}"
+            self._give_up_turn(payload, message)
+            return error_reply(exc.status if isinstance(exc, Refused) else 400, message)
         except Exception:  # noqa: BLE001 - a server bug must answer too, and the server keep serving
             logger.exception("Tinker %s %s failed", method, path)
             return error_reply(500, f"{path}: the server failed on this request (its log has the traceback)")
@@ -138,13 +142,15 @@ class TinkerService:
         """A named refusal; a refused training call still takes its ``seq_id`` turn so later calls do not wait."""
         message = (f"rlkit's Tinker server does not serve {method} {path}; it serves a LoRA train + sample flow: "
                    + ", ".join(self.served) + " (see docs/ARCHITECTURE.md, Tinker API)")  # fmt: skip
-        if isinstance(payload, dict) and payload.get("model_id") and payload.get("seq_id"):
-            try:
-                model = self.models.model(payload["model_id"])
-                model.order.submit(int(payload["seq_id"]), lambda: failed(ValueError(message)))
-            except ValueError:
-                pass
+        self._give_up_turn(payload, message)
         return error_reply(404, message)
+
+    def _give_up_turn(self, payload: dict[str, Any], message: str) -> None:
+        """A refused training call still takes its ``seq_id`` turn (failing), so that the calls behind it run."""
+        model_id, seq_id = payload.get("model_id"), payload.get("seq_id")
+        if isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
+            with contextlib.suppress(ValueError):
+                self.models.model(model_id).order.submit(seq_id, lambda: failed(ValueError(message)))
 
     def _heartbeat(self, body: dict[str, Any]) -> Reply:
         self.sessions.heartbeat(body["session_id"])
