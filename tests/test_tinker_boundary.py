@@ -299,6 +299,10 @@ def test_state_names_and_paths_stay_inside_state_dir(server, tmp_path):
                                                            "optimizer": True})  # fmt: skip
         return result(server, body["request_id"]) if status == 200 else body
 
+    for session_id in ("../../escape", str(outside), "session-1/../..", "x" * 65):
+        status, body, _ = request(server, "create_model", {"session_id": session_id, "model_seq_id": 0,
+                                  "base_model": "tiny", "lora_config": {"rank": 4}})  # fmt: skip
+        assert status in (400, 404) and "session" in body["error"], session_id  # the ids are the server's own
     refusals = []
     for name in ("../x", "../../outside", str(outside), "a/b", ".hidden", "..", "x" * 200):
         refusals.append(save(name)[1])
