@@ -199,7 +199,7 @@ def test_a_second_sessions_training_client_is_refused_with_the_reason_while_the_
     other = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
     started = time.monotonic()
     with pytest.raises(tinker.ConflictError, match="is training on this server"):
-        other.create_lora_training_client(base_model="tiny", rank=LORA.rank)
+        other.create_lora_training_client(base_model="tiny", rank=LORA.rank).result(timeout=30)
     assert time.monotonic() - started < 10  # refused at once, not retried
     other.close("success").result(timeout=30)
     assert training.forward([to_tinker(data()[0][0])], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
