@@ -433,6 +433,9 @@ def test_a_silent_session_releases_the_training_client():
         live.claim_training(second)
     clock[0] = 111.0
     live.claim_training(second)
+    live.create()  # forgets the silent first session
+    with pytest.raises(futures.Refused, match="no such session"):
+        live.heartbeat(first)
     with pytest.raises(futures.Refused, match="no such session"):
         live.claim_training("session-unknown")
 

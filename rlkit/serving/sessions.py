@@ -32,8 +32,11 @@ class Sessions:
         self._timeout, self._clock = timeout_s, clock
 
     def create(self) -> str:
+        """A new session; sessions ended or silent for ``timeout_s`` are forgotten (but the training client's)."""
         session_id = f"session-{secrets.token_hex(8)}"
         with self._lock:
+            for old in [k for k, s in self._sessions.items() if k != self._trainer and not self._alive(s)]:
+                del self._sessions[old]
             self._sessions[session_id] = _Session(self._clock())
         return session_id
 

@@ -39,8 +39,9 @@ _DRAIN_BYTES = 64 << 10
 """A refused request's body up to this size is read and dropped, so its connection can carry the next request."""
 
 
-class _Server(ThreadingHTTPServer):
-    """The stdlib's threaded server, which knows its open connections so that :meth:`drop` can end them."""
+class TinkerHTTPServer(ThreadingHTTPServer):
+    """The stdlib's threaded HTTP server, one thread per connection, which knows its open connections so that
+    :meth:`drop` can end them."""
 
     daemon_threads = True
 
@@ -79,7 +80,7 @@ class _Server(ThreadingHTTPServer):
 class TinkerServer:
     """A running server: ``url`` and ``api_key`` for ``tinker.ServiceClient``; :meth:`close` stops it."""
 
-    def __init__(self, httpd: _Server, host: str, service: TinkerService, api_key: str):
+    def __init__(self, httpd: TinkerHTTPServer, host: str, service: TinkerService, api_key: str):
         self._httpd, self.service, self.api_key = httpd, service, api_key
         self.url = f"http://{host}:{httpd.server_port}"
         self._thread = threading.Thread(target=httpd.serve_forever, name="rlkit-tinker-server", daemon=True)
@@ -126,7 +127,7 @@ def serve_tinker(target: Cluster | TrainingClient, *, config: PrimitivesConfig |
     key = api_key or f"tml-{secrets.token_urlsafe(32)}"
     states = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="rlkit-tinker-states-"))
     service = TinkerService(target, config if config is not None else PrimitivesConfig(), states, poll_s=poll_s)
-    httpd = _Server((host, port), _handler(service, key))
+    httpd = TinkerHTTPServer((host, port), _handler(service, key))
     server = TinkerServer(httpd, host, service, key)
     logger.info("Tinker API served at %s; save_state writes into %s", server.url, states)
     return server
@@ -158,7 +159,7 @@ def _handler(service: TinkerService, api_key: str) -> type[BaseHTTPRequestHandle
     class TinkerHandler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         timeout = IO_TIMEOUT_S  # on the socket: every read and write
-        server: _Server
+        server: TinkerHTTPServer
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             self._answer("GET")
