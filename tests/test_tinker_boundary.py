@@ -48,10 +48,11 @@ class StubClient(TrainingClient):
         self._role = StubRole()
         self._queue = ThreadPoolExecutor(max_workers=1)
         self._samples, self._step, self._sampler_step = [], 0, 0
-        self.gate, self.forwards = threading.Event(), 0
+        self.gate, self.entered, self.forwards = threading.Event(), threading.Event(), 0
         self.gate.set()
 
     def _forward(self, data, loss_fn, loss_fn_config, backward):  # noqa: ANN001, ANN202
+        self.entered.set()
         self.gate.wait(30)
         self.forwards += 1
         return ForwardBackwardOutput(logprobs=[torch.zeros(len(d.tokens)) for d in data],
@@ -164,7 +165,7 @@ def test_the_key_is_checked_before_the_body_is_read_and_a_huge_body_is_refused_u
     assert answer.startswith(b"HTTP/1.1 401") and b"X-API-Key" in answer  # no byte of the 400 MB was sent
     answer = raw(server, head(server, "create_session", server.api_key, "Content-Length: 400000000\r\n"))
     assert answer.startswith(b"HTTP/1.1 413") and b"64 MiB" in answer
-    assert time.monotonic() - started < 4
+    assert time.monotonic() - started < 10
     assert request(server, "create_session", {})[0] == 200
 
 
@@ -310,8 +311,9 @@ def test_state_names_and_paths_stay_inside_state_dir(server, tmp_path):
     assert not outside.exists() and not (tmp_path / "states" / "x").exists()
     path = save("good")[1]["path"]
     assert path == f"tinker://{model_id}/weights/good" and "error" not in load(path)
-    for bad in ("tinker://../weights/good", f"tinker://{model_id}/weights/../good", f"tinker://{model_id}/../x",
-                "/etc/passwd", f"tinker://{model_id}/sampler_weights/good", f"tinker://{model_id}/weights/"):
+    mine = f"tinker://{model_id}"
+    for bad in ("tinker://../weights/good", f"{mine}/weights/../good", f"{mine}/../x", "/etc/passwd",
+                f"{mine}/sampler_weights/good", f"{mine}/weights/"):  # fmt: skip
         refusals.append(load(bad))
         assert "error" in refusals[-1], bad
     assert "error" not in load(path)
@@ -448,6 +450,7 @@ def test_close_finishes_the_running_call_cancels_the_queued_ones_and_ends_keep_a
     client = server.service.models.current().client
     client.gate.clear()
     running = request(server, "forward_backward", forward_request(model_id, 1))[1]["request_id"]
+    assert client.entered.wait(10)  # forward 1 runs (held by the gate)
     queued = request(server, "forward_backward", forward_request(model_id, 2))[1]["request_id"]
     keep_alive = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=5)
     keep_alive.request("POST", API + "create_session", body=b"{}", headers={"X-API-Key": server.api_key})

@@ -266,8 +266,8 @@ class TinkerService:
         request_id = body["request_id"]
         future = self.pending.get(request_id)
         if future is None:
-            return error_reply(404, f"request_id={request_id!r}: unknown, or expired ({KEEP_DELIVERED_S:.0f} s after "
-                               f"its answer, {KEEP_UNCOLLECTED_S:.0f} s after it finished when never collected)")
+            return error_reply(404, f"request_id={request_id!r}: unknown, or expired ({KEEP_DELIVERED_S:.0f} s "
+                               f"after its answer, {KEEP_UNCOLLECTED_S:.0f} s after it finished if never collected)")
         try:
             reply = future.result(timeout=self.poll_s)
         except FutureTimeout:

@@ -68,7 +68,7 @@ def _unzstd(body: bytes) -> bytes:
     decompressor, out, size = zstandard.ZstdDecompressor().decompressobj(), [], 0
     try:
         for start in range(0, len(body), 256):
-            block = decompressor.decompress(body[start:start + 256])
+            block = decompressor.decompress(body[start : start + 256])
             size += len(block)
             if size > MAX_BODY_BYTES:
                 raise Refused(413, f"the zstd body decompresses beyond {MAX_BODY_BYTES >> 20} MiB: send smaller "
