@@ -235,3 +235,31 @@ def test_the_tinker_guide_does_not_list_what_works_as_unsupported():
     rows = [line.split("|")[1:3] for line in guide.splitlines() if line.startswith("| ") and line.count("|") == 3]
     assert rows and any("forward_backward_custom" in supported for supported, _ in rows)
     assert not any("forward_backward_custom" in missing for _, missing in rows)
+
+
+def test_malformed_requests_get_a_4xx_json_answer_and_the_sdks_client_keeps_training(server, training):
+    zstandard = pytest.importorskip("zstandard")
+    zstd = {"Content-Encoding": "zstd"}
+    cases = [("create_model", b"[1, 2]", {}), ("create_model", json.dumps({"session_id": "x", "model_seq_id": 0,
+             "base_model": "tiny", "lora_config": {"rank": 4}, "optimizer_config": "adamw"}).encode(), {}),
+             ("forward_backward", b"\x08\x96\x01garbage\xff\xff", {}),
+             ("forward_backward", b"\x28\xb5\x2f\xfd not zstd", zstd),
+             ("forward_backward", zstandard.ZstdCompressor().compress(b"\0" * (80 << 20)), zstd)]  # fmt: skip
+    for path, body, headers in cases:
+        request = urllib.request.Request(server.url + "/api/v1/" + path, data=body, method="POST",
+                                         headers={"X-API-Key": server.api_key, **headers})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
+        assert 400 <= err.value.code < 500 and json.loads(err.value.read())["error"], path
+    assert training.forward([to_tinker(data()[0][0])], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+    assert training.get_info().model_data.tokenizer_id == "tiny"  # the name the client gave, not a server path
+
+
+def test_a_second_sessions_training_client_is_refused_with_the_reason_while_the_first_trains(server, training):
+    other = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+    started = time.monotonic()
+    with pytest.raises(tinker.ConflictError, match="is training on this server"):
+        other.create_lora_training_client(base_model="tiny", rank=LORA.rank).result(timeout=30)
+    assert time.monotonic() - started < 10  # refused at once, not retried
+    other.close("success").result(timeout=30)
+    assert training.forward([to_tinker(data()[0][0])], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0

@@ -1,9 +1,12 @@
 """``rlkit serve-tinker``: launch workers and serve the Tinker SDK's LoRA train + sample API on them until
-interrupted (Ctrl-C or SIGTERM). Prints the URL and the run's API key for ``tinker.ServiceClient``."""
+interrupted. Prints the URL and the run's API key for ``tinker.ServiceClient``. The first Ctrl-C (or SIGTERM) stops
+accepting requests, cancels the queued calls and finishes the running one; a second one exits at once (the workers
+end with their parent)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -37,7 +40,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: _interrupted(stop))
     cluster = launch(world_size=args.world_size, device=args.device)
     try:
         with serve_tinker(cluster, config=config, host=args.host, port=args.port,
@@ -49,3 +52,13 @@ def serve(args: argparse.Namespace) -> int:
         cluster.shutdown()
     print("stopped", flush=True)
     return 0
+
+
+def _interrupted(stop: threading.Event) -> None:
+    """The first interrupt stops the server gracefully; the second exits now."""
+    if stop.is_set():
+        print("interrupted again: exiting now", file=sys.stderr, flush=True)
+        os._exit(130)
+    print("stopping: the running call finishes, the queued ones are cancelled (Ctrl-C again: exit now)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    stop.set()

@@ -4,7 +4,6 @@ the ``seq_id`` order of its calls, and which saved weights each sampling session
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,10 +12,8 @@ from rlkit.config.primitives import PrimitivesConfig
 from rlkit.models import resolve_model_dir
 from rlkit.runtime.cluster import Cluster
 from rlkit.serving.futures import SeqOrder
+from rlkit.serving.tinker_states import StateFolders
 from rlkit.trainer.primitives import TrainingClient
-
-_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
-_STATE_PATH = re.compile(r"^tinker://(?P<model>[^/]+)/weights/(?P<name>[^/]+)$")
 
 
 @dataclass
@@ -48,7 +45,7 @@ class ServedModels:
     under ``state_dir``."""
 
     def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, state_dir: Path):
-        self.target, self.config, self.state_dir = target, config, state_dir
+        self.target, self.config, self.states = target, config, StateFolders(state_dir)
         self._lock = threading.Lock()
         self._models: dict[str, ServedModel] = {}
         self._current: str | None = None
@@ -56,7 +53,9 @@ class ServedModels:
 
     @property
     def base_model(self) -> str:
-        return self.target.config.model if isinstance(self.target, TrainingClient) else self.config.model
+        """The served model's name for clients: "tiny", or its directory's name (never a path of this machine)."""
+        model = self.target.config.model if isinstance(self.target, TrainingClient) else self.config.model
+        return Path(model).name
 
     def create(self, model_id: str, base_model: str, rank: int, seed: int | None) -> ServedModel:
         """A new training client for Tinker's ``create_model`` (on the cluster: builds the roles, seconds)."""
@@ -81,7 +80,7 @@ class ServedModels:
             problems.append(f"this server serves the one rlkit.TrainingClient it was given, already model "
                             f"{self._current}; serve a cluster to create several")  # fmt: skip
         if resolve_model_dir(_local_model(base_model, client.config.model)) != client.model_dir:
-            problems.append(f"base_model={base_model!r}: the served client trains {client.config.model!r}")
+            problems.append(f"base_model={base_model!r}: the served client trains {self.base_model!r}")
         if rank != client.config.lora.rank:
             problems.append(f"lora rank={rank}: the served client's adapters have rank {client.config.lora.rank}")
         if problems:
@@ -123,19 +122,13 @@ class ServedModels:
         return found[0]
 
     def state_path(self, model_id: str, name: str | None) -> tuple[str, Path]:
-        """The ``tinker://<model_id>/weights/<name>`` path of a ``save_state`` and its folder."""
-        if not name or not _NAME.match(name):
-            raise ValueError(f"save_state name={name!r}: give letters, digits, '.', '_' or '-', not starting with '.'")
-        return f"tinker://{model_id}/weights/{name}", self.state_dir / model_id.replace(":", "_") / name
+        """The ``tinker://<model_id>/weights/<name>`` path of a ``save_state`` and its folder inside ``state_dir``."""
+        return self.states.folder(model_id, name)
 
     def state_folder(self, tinker_path: str) -> Path:
-        """The folder of a ``tinker://<model_id>/weights/<name>`` path this server saved (ValueError otherwise)."""
-        found = _STATE_PATH.match(tinker_path)
-        folder = self.state_path(found["model"], found["name"])[1] if found else None
-        if folder is None or not folder.is_dir():
-            raise ValueError(f"path={tinker_path!r}: no state saved under that path on this server (save_state "
-                             "returns the tinker://<model>/weights/<name> paths it serves)")  # fmt: skip
-        return folder
+        """The folder of a ``tinker://<model_id>/weights/<name>`` path this server saved and signed (ValueError
+        otherwise)."""
+        return self.states.verified(tinker_path)
 
     def close(self) -> None:
         """Finish the queued calls of the clients this server built."""
@@ -148,5 +141,6 @@ class ServedModels:
 
 def _local_model(base_model: str, default: str) -> str:
     """``base_model`` as rlkit loads it: "tiny", a local directory, or the served config's model when the
-    client names that."""
-    return default if base_model in (default, str(resolve_model_dir(default))) else base_model
+    client names that (or its public name, the directory's name)."""
+    names = (default, str(resolve_model_dir(default)), Path(default).name)
+    return default if base_model in names else base_model

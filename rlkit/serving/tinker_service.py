@@ -8,21 +8,33 @@ other path is refused at once, naming it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import secrets
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.runtime.cluster import Cluster
-from rlkit.serving import tinker_wire
-from rlkit.serving.futures import PendingRequests, Reply, failed, then
+from rlkit.serving import tinker_states, tinker_wire
+from rlkit.serving.futures import (
+    KEEP_DELIVERED_S,
+    KEEP_UNCOLLECTED_S,
+    IdempotentReplies,
+    PendingRequests,
+    Refused,
+    Reply,
+    failed,
+    then,
+)
+from rlkit.serving.sessions import Sessions
 from rlkit.serving.tinker_models import SamplingSession, ServedModels
+from rlkit.serving.tinker_requests import json_object, shape_problems
 from rlkit.trainer.primitives import TrainingClient
 from rlkit.workers.primitives import AdamStep
 
@@ -36,6 +48,8 @@ CLIENT_CONFIG = {
     "sample_join_sampling_session": False,
     "custom_loss_server_side": False,
 }
+_UNREPLAYED = ("retrieve_future", "session_heartbeat", "telemetry")
+"""Requests answered afresh each time, idempotency key or not: a poll's answer changes as the call runs."""
 
 
 def json_reply(payload: dict[str, Any], status: int = 200) -> Reply:
@@ -52,7 +66,9 @@ class TinkerService:
     def __init__(self, target: Cluster | TrainingClient, config: PrimitivesConfig, state_dir: Path,
                  poll_s: float = 10.0):  # fmt: skip
         self.models = ServedModels(target, config, state_dir)
+        self.sessions = Sessions()
         self.pending = PendingRequests()
+        self.replies = IdempotentReplies()
         self.poll_s = poll_s
         self._ids = itertools.count(1)
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlkit-tinker-create")
@@ -61,8 +77,8 @@ class TinkerService:
             ("POST", "client/dynamic_config"): lambda body: json_reply({}),
             ("GET", "get_server_capabilities"): self._capabilities,
             ("GET", "healthz"): lambda body: json_reply({"status": "ok"}),
-            ("POST", "create_session"): lambda body: json_reply({"session_id": f"session-{next(self._ids)}"}),
-            ("POST", "session_heartbeat"): lambda body: json_reply({"type": "session_heartbeat"}),
+            ("POST", "create_session"): lambda body: json_reply({"session_id": self.sessions.create()}),
+            ("POST", "session_heartbeat"): self._heartbeat,
             ("POST", "telemetry"): lambda body: json_reply({"status": "accepted"}),
             ("POST", "create_model"): self._create_model,
             ("POST", "get_info"): self._get_info,
@@ -81,16 +97,29 @@ class TinkerService:
         return [f"{m} {API}{p}" for m, p in self._routes] + [f"POST {API}forward_backward",
                 f"GET {API}samplers/<id>", f"POST {API}sessions/<id>/finish"]  # fmt: skip
 
+    def answer(self, method: str, path: str, body: bytes, content_encoding: str | None,
+               idempotency_key: str | None = None) -> Reply:  # fmt: skip
+        """:meth:`handle`; a request carrying an ``X-Idempotency-Key`` already answered (the SDK retries with the
+        same key) gets the first answer, so a retried call does not run twice (polls and heartbeats excepted)."""
+        if idempotency_key and method == "POST" and not path.startswith(tuple(API + p for p in _UNREPLAYED)):
+            return self.replies.answer(idempotency_key, path, lambda: self.handle(method, path, body, content_encoding))
+        return self.handle(method, path, body, content_encoding)
+
     def handle(self, method: str, path: str, body: bytes, content_encoding: str | None) -> Reply:
-        """The answer to one authenticated request."""
+        """The answer to one authenticated request: a malformed one gets a 4xx naming what is wrong."""
         name = path.split("?")[0].removeprefix(API) if path.startswith(API) else None
+        payload: dict[str, Any] = {}
         try:
             if name == "forward_backward" and method == "POST":
                 return self._forward_backward(body, content_encoding)
-            payload = json.loads(body) if body else {}
+            payload = json_object(body)
+            problems = shape_problems(name or "", payload)
+            if problems:
+                raise ValueError("; ".join(problems))
             if name is not None and name.startswith("samplers/") and method == "GET":
                 return self._sampler(name.removeprefix("samplers/"))
             if name is not None and name.startswith("sessions/") and name.endswith("/finish"):
+                self.sessions.finish(name.removeprefix("sessions/").removesuffix("/finish"))
                 return json_reply({})
             route = self._routes.get((method, name or ""))
             if route is None:
@@ -98,19 +127,34 @@ class TinkerService:
             return route(payload)
         except (ValueError, KeyError, TypeError) as exc:
             logger.info("Tinker %s %s refused: %s", method, path, exc)
-            return error_reply(400, f"{path}: {exc}")
+            message = f"{path}: {self._public(exc)}"
+            self._give_up_turn(payload, message)
+            return error_reply(exc.status if isinstance(exc, Refused) else 400, message)
+        except Exception:  # noqa: BLE001 - a server bug must answer too, and the server keep serving
+            logger.exception("Tinker %s %s failed", method, path)
+            return error_reply(500, f"{path}: the server failed on this request (its log has the traceback)")
+
+    def _public(self, exc: BaseException) -> str:
+        """The text of ``exc`` without this machine's state folder."""
+        return str(exc).replace(str(self.models.states.root), "<state_dir>")
 
     def _unsupported(self, method: str, path: str, payload: Any) -> Reply:
         """A named refusal; a refused training call still takes its ``seq_id`` turn so later calls do not wait."""
         message = (f"rlkit's Tinker server does not serve {method} {path}; it serves a LoRA train + sample flow: "
                    + ", ".join(self.served) + " (see docs/ARCHITECTURE.md, Tinker API)")  # fmt: skip
-        if isinstance(payload, dict) and payload.get("model_id") and payload.get("seq_id"):
-            try:
-                model = self.models.model(payload["model_id"])
-                model.order.submit(int(payload["seq_id"]), lambda: failed(ValueError(message)))
-            except ValueError:
-                pass
+        self._give_up_turn(payload, message)
         return error_reply(404, message)
+
+    def _give_up_turn(self, payload: dict[str, Any], message: str) -> None:
+        """A refused training call still takes its ``seq_id`` turn (failing), so that the calls behind it run."""
+        model_id, seq_id = payload.get("model_id"), payload.get("seq_id")
+        if isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
+            with contextlib.suppress(ValueError):
+                self.models.model(model_id).order.submit(seq_id, lambda: failed(ValueError(message)))
+
+    def _heartbeat(self, body: dict[str, Any]) -> Reply:
+        self.sessions.heartbeat(body["session_id"])
+        return json_reply({"type": "session_heartbeat"})
 
     # -- queued calls ---------------------------------------------------------------------------
 
@@ -121,9 +165,10 @@ class TinkerService:
         lora = body.get("lora_config")
         if not lora:
             raise ValueError("create_model without lora_config: rlkit serves LoRA training clients only")
-        if body.get("optimizer_config", {}).get("type", "adamw") != "adamw":
+        if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise ValueError(f"optimizer_config={body['optimizer_config']}: rlkit serves AdamW only")
-        model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
+        model_id = tinker_states.model_id(body["session_id"], body["model_seq_id"])
+        self.sessions.claim_training(body["session_id"])
         created = self._builder.submit(self.models.create, model_id, body["base_model"], int(lora["rank"]),
                                        lora.get("seed"))  # fmt: skip
         return self._queued(then(created, lambda m: json_reply({"model_id": m.model_id, "type": "create_model"})),
@@ -179,7 +224,12 @@ class TinkerService:
             path, folder = self.models.state_path(model.model_id, body.get("path"))
             if folder.exists() and not body.get("overwrite"):
                 raise ValueError(f"{path} exists: save under another name, or pass overwrite=True")
-            return then(model.client.save_state(folder), lambda _: json_reply({"path": path, "type": "save_weights"}))
+
+            def signed(saved: Path) -> Reply:
+                self.models.states.sign(path, saved)
+                return json_reply({"path": path, "type": "save_weights"})
+
+            return then(model.client.save_state(folder), signed)
 
         return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
 
@@ -216,15 +266,18 @@ class TinkerService:
         request_id = body["request_id"]
         future = self.pending.get(request_id)
         if future is None:
-            return error_reply(404, f"request_id={request_id!r}: unknown or already retrieved")
+            return error_reply(404, f"request_id={request_id!r}: unknown, or expired ({KEEP_DELIVERED_S:.0f} s "
+                               f"after its answer, {KEEP_UNCOLLECTED_S:.0f} s after it finished if never collected)")
         try:
             reply = future.result(timeout=self.poll_s)
         except FutureTimeout:
             return json_reply({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        except CancelledError:
+            reply = json_reply({"error": "cancelled: the server is stopping", "category": "server"})
         except Exception as exc:  # noqa: BLE001 - the request's failure, handed to the client
             category = "user" if isinstance(exc, ValueError) else "server"
             logger.info("Tinker request %s failed: %s", request_id, exc)
-            reply = json_reply({"error": f"{type(exc).__name__}: {exc}", "category": category})
+            reply = json_reply({"error": f"{type(exc).__name__}: {self._public(exc)}", "category": category})
         self.pending.delivered(request_id)
         return reply
 
@@ -239,7 +292,7 @@ class TinkerService:
         return json_reply({"type": "get_info", "model_id": model.model_id, "is_lora": True,
                            "lora_rank": model.client.config.lora.rank, "model_name": model.base_model,
                            "model_data": {"model_name": model.base_model, "arch": None,
-                                          "tokenizer_id": str(model.client.model_dir)}})  # fmt: skip
+                                          "tokenizer_id": model.base_model}})  # fmt: skip
 
     def _create_sampling_session(self, body: dict[str, Any]) -> Reply:
         if body.get("model_path"):
@@ -249,6 +302,7 @@ class TinkerService:
             if body.get("base_model") not in (None, model.base_model):
                 raise ValueError(f"base_model={body['base_model']!r}: this server serves {model.base_model!r}")
             session = SamplingSession(model.model_id, 0)
+        self.sessions.heartbeat(body["session_id"])  # a live session of this server
         session_id = f"{body['session_id']}:sample:{body['sampling_session_seq_id']}"
         self.models.add_session(session_id, session)
         return json_reply({"type": "create_sampling_session", "sampling_session_id": session_id})
@@ -259,7 +313,9 @@ class TinkerService:
         return json_reply({"sampler_id": session_id, "base_model": base, "model_path": session.model_path})
 
     def close(self) -> None:
-        self._builder.shutdown(wait=True)
+        """Cancel the calls that have not started; finish the running ones."""
+        self.pending.cancel_all()
+        self._builder.shutdown(wait=True, cancel_futures=True)
         self.models.close()
 
 

@@ -13,8 +13,12 @@ import numpy as np
 import torch
 
 from rlkit.data.datum import Datum
+from rlkit.serving.futures import Refused
 
 PROTO = "application/x-protobuf"
+MAX_BODY_BYTES = 64 << 20
+"""The most a request body may hold, as sent and after zstd decompression (413 beyond it); the SDK sends
+``forward_backward`` in chunks of about 5 MB at most."""
 _NUMPY_DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}  # tinker_public.DType: FLOAT32, INT64, INT32
 
 
@@ -32,15 +36,20 @@ class ForwardBackwardCall:
 
 def decode_forward_backward(body: bytes, content_encoding: str | None) -> ForwardBackwardCall:
     """The SDK's ``ForwardBackwardRequest`` protobuf (zstd-compressed when ``content_encoding`` is "zstd").
-    Raises ValueError naming every chunk or tensor kind rlkit does not take (images, audio, sparse tensors)."""
+    Raises ValueError for a body that is not one, naming every chunk or tensor kind rlkit does not take (images,
+    audio, sparse tensors); Refused (413) for one that decompresses beyond :data:`MAX_BODY_BYTES`."""
+    from google.protobuf.message import DecodeError
     from tinker.proto import tinker_public_pb2 as pb
 
+    if content_encoding not in (None, "", "identity", "zstd"):
+        raise ValueError(f"Content-Encoding {content_encoding!r}: send the body as is or zstd-compressed")
     if content_encoding == "zstd":
-        import zstandard
-
-        body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+        body = _unzstd(body)
     msg = pb.ForwardBackwardRequest()
-    msg.ParseFromString(body)
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as exc:
+        raise ValueError(f"the body is not a ForwardBackwardRequest protobuf ({exc})") from None
     problems: list[str] = []
     data = [_datum(i, d, problems) for i, d in enumerate(msg.data)]
     config = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config) or None
@@ -49,6 +58,27 @@ def decode_forward_backward(body: bytes, content_encoding: str | None) -> Forwar
     if problems:
         raise ValueError("forward_backward: " + "; ".join(problems))
     return ForwardBackwardCall(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only)
+
+
+def _unzstd(body: bytes) -> bytes:
+    """``body``'s one zstd frame decompressed, fed in small slices so that a small body announcing a huge output
+    never allocates it (a slice of 256 bytes decompresses to a few MiB at most)."""
+    import zstandard
+
+    decompressor, out, size = zstandard.ZstdDecompressor().decompressobj(), [], 0
+    try:
+        for start in range(0, len(body), 256):
+            block = decompressor.decompress(body[start : start + 256])
+            size += len(block)
+            if size > MAX_BODY_BYTES:
+                raise Refused(413, f"the zstd body decompresses beyond {MAX_BODY_BYTES >> 20} MiB: send smaller "
+                              "forward_backward chunks")  # fmt: skip
+            out.append(block)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"the body is not valid zstd ({exc})") from None
+    if not decompressor.eof or decompressor.unused_data:
+        raise ValueError("the body is not one complete zstd frame (truncated, or data after it)")
+    return b"".join(out)
 
 
 def _datum(index: int, msg, problems: list[str]) -> Datum:  # noqa: ANN001 (a tinker_public_pb2.Datum)
