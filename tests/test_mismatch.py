@@ -4,10 +4,10 @@ weight's rows reversed, an unreported top-k in fp32 and bf16, a rank whose engin
 clean runs (fp32 and bf16 engines) clean against the floor measured on the same rows; then the checks alone on
 hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
 
+import contextlib
 import copy
 import dataclasses
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ import torch
 import rlkit
 from rlkit.data.batch import Batch
 from rlkit.diagnostics import mismatch_report
+from rlkit.diagnostics.floor import DTYPE_FLOORS
 from rlkit.diagnostics.rescore import (
     PENALTY_GRID,
     Rescored,
@@ -79,7 +80,8 @@ def plant_temperature(t: float | None) -> None:
     from rlkit.runtime import local_instance
     from rlkit.workers import PolicyWorker
 
-    model = local_instance(PolicyWorker).engine.model
+    engine = local_instance(PolicyWorker).engine
+    model = getattr(engine, "inner", engine).model  # an OpaqueEngine's own
     if t is None:
         vars(model).pop("generate", None)
         return
@@ -164,7 +166,7 @@ class SleepingHFEngine(HFEngine):
         self.wake()
         return super().load_weights(weights)
 
-    @contextmanager
+    @contextlib.contextmanager
     def weights_awake(self):
         asleep = "_kept" in vars(self)
         self.wake()
@@ -187,6 +189,54 @@ def engine_sleeps(on: bool) -> bool:
         engine.wake()
     engine.__class__ = SleepingHFEngine if on else HFEngine
     return asleep
+
+
+class OpaqueEngine:
+    """An hf engine seen as the probe sees vLLM on a GPU: in another process (no model rlkit holds, no weights it can
+    read), computing in ``dtype`` with kernels of its own that round differently from the trainer's (modelled: each
+    element of the final hidden state moved by ``rounding`` of its size, up or down at random, about one bf16 ulp)."""
+
+    name = "opaque"
+
+    def __init__(self, inner: HFEngine, dtype: torch.dtype, rounding: float):
+        self.inner, self.dtype, self.eos_token_id = inner, dtype, inner.eos_token_id
+        for param in inner.model.parameters():
+            param.data = param.data.to(dtype)
+        generator = torch.Generator().manual_seed(0)
+
+        def rounded(module, inputs, hidden):
+            signs = torch.randint(0, 2, hidden.shape, generator=generator).to(hidden) * 2 - 1
+            return hidden * (1 + rounding * signs)
+
+        inner.model.model.norm.register_forward_hook(rounded)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+    def effective_sampling(self, params):
+        return self.inner.effective_sampling(params)
+
+    def load_weights(self, weights):
+        return self.inner.load_weights(weights)
+
+    def weights_awake(self):
+        return contextlib.nullcontext()
+
+    def sleep(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def engine_out_of_process(dtype_name: str, rounding: float) -> None:
+    """On a worker: its hf engine made an OpaqueEngine in ``dtype_name``, then a sync."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    worker = local_instance(PolicyWorker)
+    worker.engine = OpaqueEngine(worker.engine, getattr(torch, dtype_name), rounding)
+    worker.sync_engine()
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +396,45 @@ def test_a_rank_whose_engine_ignores_its_loads_is_named_with_its_figures(trainer
     by_rank = floor.report.floor.by_rank.set_index("rank")
     assert by_rank.loc[0, "within"] and not by_rank.loc[1, "within"], by_rank
     assert "rank 1: gap" in floor.verdict and "rank 0: gap" not in floor.verdict, floor.verdict
+
+
+@pytest.mark.timeout(400)
+def test_a_bf16_trainer_and_an_out_of_process_bf16_engine_read_clean_and_each_planted_cause_is_named(trainer):
+    """vLLM in bf16 on a GPU as the probe sees it: no engine model to copy, the trainer computing in the engine's
+    dtype, so the floor's reference repeats the trainer's arithmetic; the floor is then the dtype's least one."""
+    config = dataclasses.replace(trainer.config, fsdp=rlkit.FSDPConfig(param_dtype="bf16"))
+    bf16 = rlkit.Trainer(trainer.cluster, config)  # the module's trainer is done with: its engines are replaced
+    bf16.cluster.run(engine_out_of_process, "bfloat16", 2**-8)
+    bf16.step()
+    clean = bf16.certify()
+    assert clean.clean and clean.report.floor.minimum == DTYPE_FLOORS["bfloat16"], str(clean)
+    assert clean.dtypes == {"trainer": "bfloat16", "engine": "bfloat16"} and clean.abs_delta_mean > 1e-3, str(clean)
+    bf16.cluster.run(plant_temperature, 0.8)
+    try:
+        hot = bf16.certify()
+    finally:
+        bf16.cluster.run(plant_temperature, None)
+    assert hot.causes == ["sampling: temperature"], str(hot)
+    bf16.cluster.run(skip_syncs, True)
+    try:
+        bf16.step()
+        stale = bf16.certify()
+    finally:
+        bf16.cluster.run(skip_syncs, False)
+    assert stale.causes == ["stale weights"], str(stale)
+
+
+def test_a_floor_that_repeats_the_trainer_s_arithmetic_is_held_at_the_dtype_s_least():
+    """A reference equal to the trainer (a floor of 0) in bf16, an engine off by bf16-sized rounding both ways:
+    clean against the dtype's least floor; an engine at another temperature is still named."""
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 1.0)
+    probe.reference, probe.floor_minimum = probe.trainer, DTYPE_FLOORS["bfloat16"]
+    batch.rollout_logprobs = probe.trainer + torch.tensor([[6e-3, -6e-3, 6e-3, -6e-3]])
+    report = mismatch_report(batch, [probe])
+    assert report.clean and report.floor.floor == DTYPE_FLOORS["bfloat16"], str(report)
+    batch.rollout_logprobs = probe.temperatures[0.8]
+    assert mismatch_report(batch, [probe]).causes == ["sampling: temperature"]
 
 
 @pytest.mark.timeout(300)

@@ -200,8 +200,9 @@ def _floor(batch: Batch, rescored: Sequence[Rescored], trainer: torch.Tensor) ->
     kind = rescored[0].reference_kind if reference is not None else "none (a floor of 0)"
     _, checked = engine_log_ratio(trainer, batch.rollout_logprobs, batch.response_mask)
     rank = torch.cat([torch.full((len(r.trainer),), r.rank) for r in rescored])
+    minimum = max(r.floor_minimum for r in rescored)
     return measure_floor(trainer, batch.rollout_logprobs, trainer if reference is None else reference, checked,
-                         rank, kind)  # fmt: skip
+                         rank, kind, minimum)  # fmt: skip
 
 
 def _tokenisation_check(batch: Batch) -> Check:

@@ -66,6 +66,9 @@ class Rescored:
     """Under each repetition penalty of :data:`PENALTY_GRID`."""
     reference: torch.Tensor | None = None
     """The floor's reference: the trainer's weights in the engine's arithmetic (see ``reference_kind``)."""
+    floor_minimum: float = 0.0
+    """The least floor (nats per token) where ``reference`` cannot be a second implementation of the engine's
+    arithmetic (rlkit.diagnostics.floor.DTYPE_FLOORS); 0 otherwise."""
     reference_kind: str = ""
     """How the reference was computed (a copy of the engine's model holding the trainer's weights, or the
     trainer's own forward in another layout, under autocast to the engine's dtype where that is lower)."""

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from rlkit.config import LoraConfig, RLConfig, RolloutConfig
+from rlkit.diagnostics.floor import DTYPE_FLOORS
 from rlkit.diagnostics.rescore import PROBE_ROWS, Rescored, engine_fingerprints, rescore_rows
 from rlkit.fsdp import param_dtype
 from rlkit.models.fingerprint import differs, fingerprint
@@ -86,6 +87,9 @@ def probe_mismatch(worker: Probed, rows: Rows) -> Rescored:
         result.reference = _scores(model, rows, width, rollout.temperature, not packed)
     layout = "packed" if not packed else "padded"
     result.reference_kind = f"the trainer's {layout} forward" + (f" under {_name(engine_dtype)} autocast" * lower)
+    if engine_dtype == trainer_dtype and engine_dtype.itemsize < 4:  # the reference repeats the trainer's rounding
+        result.floor_minimum = DTYPE_FLOORS.get(_name(engine_dtype), 0.0)
+        result.reference_kind += f" (the trainer's own {_name(engine_dtype)} arithmetic: the dtype's least floor)"
     return result
 
 
