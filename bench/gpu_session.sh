@@ -85,7 +85,7 @@ install_verl() {  # Ray (split over v0 and v1), verl and its pins in their own t
 
 GRPO=(python3 bench/grpo_step.py --root "$MODELS" --warmup 2 --steps 8)
 TRL=(python3 bench/trl_grpo.py --root "$MODELS" --warmup 2 --steps 8)
-LEVERS=(python3 bench/update_levers.py --root "$MODELS" --warmup 1 --steps 8 --device-memory-gib 139.8)
+LEVERS=(python3 bench/update_levers.py --root "$MODELS" --warmup 1 --steps 8)
 
 t1() {
   fetch vllm/c0

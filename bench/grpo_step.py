@@ -164,7 +164,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--profile", action="store_true", help="one more step, profiled, not timed")
     parser.add_argument("--estimate-only", action="store_true", help="print the memory estimate and stop")
-    parser.add_argument("--device-memory-gib", type=float, default=139.8, help="with --estimate-only (H200)")
+    parser.add_argument("--device-memory-gib", type=float,
+                        help="with --estimate-only: the device's memory (default: the card nvidia-smi lists)")
     parser.add_argument("--host-memory-gib", type=float, default=0.0,
                         help="with --estimate-only: the host's memory, for the offload check (0: this machine's)")
     parser.add_argument("--label", default="rlkit")
@@ -220,6 +221,9 @@ def main() -> None:
     args = parse_args()
     lengths = workload_lengths(args, args.prompts * args.group)
     if args.estimate_only:
+        args.device_memory_gib = args.device_memory_gib or dx.visible_gpu_memory_gib()
+        if args.device_memory_gib is None:
+            raise SystemExit("--estimate-only: no GPU visible (nvidia-smi); give the device's --device-memory-gib")
         estimate = memory_estimate(run_config(args, "tiny"), args, args.device_memory_gib)
         print(estimate, estimate_findings(estimate), sep="\n")
         return
@@ -241,6 +245,7 @@ def main() -> None:
         marks = trainer.memory()
         peak_gib = float(marks["peak_mb"].max()) / 1024
         device_gib = cluster.run(device_memory_gib)[0]
+        args.device_memory_gib = device_gib if math.isfinite(device_gib) else None  # the record holds the card's
         n_params = _param_count(model_dir)
         figures = {**summarize(history, n_params, config, args, peak_gib), "n_params": n_params,
                    "engine_state": cluster.run(engine_state)[0], "config": config.to_dict()}

@@ -96,11 +96,13 @@ def timed_update(rows) -> dict[str, float]:
 
 
 def fits(variant: Variant, config: rlkit.GRPOConfig, args) -> bool:
-    """Whether the memory estimate says the variant's update fits the device (always on a CPU)."""
-    if args.device_memory_gib is None:
+    """Whether the memory estimate says the variant's update fits the device (``--device-memory-gib``, else the card
+    nvidia-smi lists; always without a GPU)."""
+    device_gib = args.device_memory_gib or dx.visible_gpu_memory_gib()
+    if device_gib is None:
         return True
     cfg = dataclasses.replace(config, micro_batch_size=variant.micro)
-    setting = dx.memory_setting(cfg, world_size=1, device_memory_gib=args.device_memory_gib)
+    setting = dx.memory_setting(cfg, world_size=1, device_memory_gib=device_gib)
     setting = dataclasses.replace(setting, padding_mask=False, keep_unsharded=variant.keep)
     return dx.estimate_memory({"model_type": "qwen2", **SHAPES[args.shape]}, setting).fits
 
@@ -118,7 +120,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="timed rounds")
     parser.add_argument("--profile", metavar="VARIANT", help="one more update of this variant, profiled")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--device-memory-gib", type=float, help="skip variants the estimate says will not fit")
+    parser.add_argument("--device-memory-gib", type=float,
+                        help="skip variants the estimate says will not fit this much (default: the card's)")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config setting")
     parser.add_argument("--label", default="rlkit-update")

@@ -202,3 +202,59 @@ def test_stacking_plan_needs_every_source_with_matching_rows():
     assert stacking_plan(params, packed, {**sources, "a.v_proj.weight": (3, 3)}) is None  # rows do not add up
     assert stacking_plan(params, packed, {k: v for k, v in sources.items() if "k_proj" not in k}) is None
     assert stacking_plan({"t.scale": ()}, {}, {"t.scale": ()}) is None  # scalars: leave them to the loader
+
+
+class SleepingLLM:
+    """vLLM's ``LLM`` as far as sleep mode goes: asleep (cuMem unmapped) its weights fault when a worker reads them."""
+
+    llm_engine = "running"
+
+    def __init__(self):
+        self.asleep: set[str] = set()
+        self.calls: list[str] = []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep {level}")
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.calls.append(f"wake {tags[0]}")
+        self.asleep -= set(tags)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        if "weights" in self.asleep:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.calls.append(method)
+        return [({}, 0)]
+
+
+def sleeping_engine(asleep: bool):
+    """A VLLMEngine around a SleepingLLM (nothing of vLLM's started), asleep or awake."""
+    from rlkit.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine._shared, engine._asleep = SleepingLLM(), None, set()
+    if asleep:
+        engine._sleep_now()
+        engine.llm.calls.clear()
+    return engine
+
+
+@pytest.mark.parametrize("asleep", [True, False])
+def test_the_vllm_engine_s_weights_are_read_awake_and_it_is_left_as_it_was(asleep):
+    from rlkit.diagnostics.rescore import engine_fingerprints
+
+    engine = sleeping_engine(asleep)
+    with engine.weights_awake():
+        assert engine_fingerprints(engine, {}) == ({}, 0)
+    woken = ["wake weights", "wake kv_cache"]
+    assert engine.llm.calls == (woken + ["rlkit_fingerprints", "sleep 1"] if asleep else ["rlkit_fingerprints"])
+    assert engine.llm.asleep == ({"weights", "kv_cache"} if asleep else set())
+    assert engine._asleep == engine.llm.asleep
+
+
+def test_a_sleeping_vllm_engine_sleeps_again_when_the_read_fails():
+    engine = sleeping_engine(True)
+    with pytest.raises(ValueError, match="a probe failed"), engine.weights_awake():
+        raise ValueError("a probe failed")
+    assert engine.llm.asleep == {"weights", "kv_cache"} and engine.llm.calls[-1] == "sleep 1"

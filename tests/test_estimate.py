@@ -603,3 +603,16 @@ def test_offloaded_state_and_sleeping_engines_are_checked_against_the_host():
     # LoRA offloads the adapters' state only; an unknown host is not checked
     assert dx.estimate_memory(QWEN_7B, **OFFLOADED_7B, lora_rank=16).host_fits
     assert dx.estimate_memory(QWEN_7B, **{**OFFLOADED_7B, "host_memory_gib": 0.0}).host_fits
+
+
+H100_HEAD_PROBE = [(896, 16_384, True, 3.036), (896, 16_384, False, 3.036), (2048, 60_000, True, 3.891),
+                   (896, 2_048, False, 2.511)]  # fmt: skip
+"""bench/head_memory_probe.py on an H100 at 79ff466 (2026-12-06): (hidden, rows, head trained, the update's measured
+peak in GiB), Qwen2.5's vocabulary, bf16, compiled chunk math; the estimate then read 1.20, 1.50, 1.15, 1.25 of it."""
+
+
+@pytest.mark.parametrize(("hidden", "rows", "trained", "measured"), H100_HEAD_PROBE)
+def test_the_fused_head_s_update_estimate_replays_the_h100_probe(hidden, rows, trained, measured):
+    """Within 15% on every row and never under by more than 5% (under is the side that runs out of memory)."""
+    predicted = fused_head_bytes(rows, 151_936, hidden, 2, grad=True, math="fused", weight_grad=trained) / 2**30
+    assert 0.95 <= predicted / measured <= 1.15, f"predicted {predicted:.3f} GiB, measured {measured} GiB"

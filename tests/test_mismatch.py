@@ -4,6 +4,8 @@ weight's rows reversed, an unreported top-k in fp32 and bf16, a rank whose engin
 clean runs (fp32 and bf16 engines) clean against the floor measured on the same rows; then the checks alone on
 hand-made re-scorings (temperature, top-p, top-k, a penalty setting)."""
 
+import contextlib
+import copy
 import dataclasses
 import math
 import re
@@ -15,7 +17,16 @@ import torch
 import rlkit
 from rlkit.data.batch import Batch
 from rlkit.diagnostics import mismatch_report
-from rlkit.diagnostics.rescore import PENALTY_GRID, Rescored, nucleus_logits, penalised_logits, seen_tokens
+from rlkit.diagnostics.floor import DTYPE_FLOORS
+from rlkit.diagnostics.rescore import (
+    PENALTY_GRID,
+    Rescored,
+    effective_temperatures,
+    nucleus_logits,
+    penalised_logits,
+    seen_tokens,
+)
+from rlkit.rollout.hf import HFEngine
 from tests.test_vllm import skip_syncs
 
 CAUSES = {"sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens",
@@ -61,6 +72,28 @@ def plant_top_k(k: int | None) -> None:
         return generate(model, *args, logits_processor=[TopKLogitsWarper(k), *(logits_processor or [])], **kwargs)
 
     model.generate = truncated
+
+
+def plant_temperature(t: float | None) -> None:
+    """On a worker: the hf engine samples (and reports log-probs) at temperature ``t`` times the config's, through a
+    logits processor rlkit did not set (None: remove it)."""
+    from transformers import TemperatureLogitsWarper
+
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    engine = local_instance(PolicyWorker).engine
+    model = getattr(engine, "inner", engine).model  # an OpaqueEngine's own
+    if t is None:
+        vars(model).pop("generate", None)
+        return
+    generate = type(model).generate
+
+    def scaled(*args, logits_processor=None, **kwargs):
+        processors = [TemperatureLogitsWarper(t), *(logits_processor or [])]
+        return generate(model, *args, logits_processor=processors, **kwargs)
+
+    model.generate = scaled
 
 
 def reverse_rows(name: str) -> None:
@@ -114,6 +147,100 @@ def engine_in(dtype_name: str) -> None:
     worker.sync_engine()
 
 
+class SleepingHFEngine(HFEngine):
+    """The hf engine with vLLM's sleep mode on GPU modelled: asleep, its model is a copy on the meta device (any read
+    of its weights raises, as reading a sleeping vLLM engine's unmapped weights faults the GPU), the real one kept
+    aside until it wakes."""
+
+    def sleep(self) -> None:
+        if "_kept" not in vars(self):
+            self._kept, self.model = self.model, copy.deepcopy(self.model).to("meta")
+
+    def wake(self) -> None:
+        if "_kept" in vars(self):
+            self.model = vars(self).pop("_kept")
+
+    def generate(self, *args, **kwargs):
+        self.wake()
+        return super().generate(*args, **kwargs)
+
+    def load_weights(self, weights):
+        self.wake()
+        return super().load_weights(weights)
+
+    @contextlib.contextmanager
+    def weights_awake(self):
+        asleep = "_kept" in vars(self)
+        self.wake()
+        try:
+            yield
+        finally:
+            if asleep:
+                self.sleep()
+
+
+def engine_sleeps(on: bool) -> bool:
+    """On a worker: the hf engine made a SleepingHFEngine (``on``) or a plain, awake one again; whether it was
+    asleep."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    engine = local_instance(PolicyWorker).engine
+    asleep = "_kept" in vars(engine)
+    if not on and isinstance(engine, SleepingHFEngine):
+        engine.wake()
+    engine.__class__ = SleepingHFEngine if on else HFEngine
+    return asleep
+
+
+class OpaqueEngine:
+    """An hf engine seen as the probe sees vLLM on a GPU: in another process (no model rlkit holds, no weights it can
+    read), computing in ``dtype`` with kernels of its own that round differently from the trainer's (modelled: each
+    element of the final hidden state moved by ``rounding`` of its size, up or down at random, about one bf16 ulp)."""
+
+    name = "opaque"
+
+    def __init__(self, inner: HFEngine, dtype: torch.dtype, rounding: float):
+        self.inner, self.dtype, self.eos_token_id = inner, dtype, inner.eos_token_id
+        for param in inner.model.parameters():
+            param.data = param.data.to(dtype)
+        generator = torch.Generator().manual_seed(0)
+
+        def rounded(module, inputs, hidden):
+            signs = torch.randint(0, 2, hidden.shape, generator=generator).to(hidden) * 2 - 1
+            return hidden * (1 + rounding * signs)
+
+        inner.model.model.norm.register_forward_hook(rounded)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+    def effective_sampling(self, params):
+        return self.inner.effective_sampling(params)
+
+    def load_weights(self, weights):
+        return self.inner.load_weights(weights)
+
+    def weights_awake(self):
+        return contextlib.nullcontext()
+
+    def sleep(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def engine_out_of_process(dtype_name: str, rounding: float) -> None:
+    """On a worker: its hf engine made an OpaqueEngine in ``dtype_name``, then a sync."""
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    worker = local_instance(PolicyWorker)
+    worker.engine = OpaqueEngine(worker.engine, getattr(torch, dtype_name), rounding)
+    worker.sync_engine()
+
+
 @pytest.fixture(scope="module")
 def trainer(cluster):
     rollout, optim = rlkit.RolloutConfig(max_new_tokens=8), rlkit.OptimConfig(lr=2e-3)
@@ -136,6 +263,18 @@ def test_clean_run_measures_every_step_and_names_no_cause(trainer):
     floor = trainer.certify()
     assert floor.clean and floor.abs_delta_mean < 1e-4 and floor.tokens > 0, str(floor)
     assert floor.verdict.startswith("clean") and floor.floor > 0, str(floor)
+
+
+@pytest.mark.timeout(180)
+def test_certify_reads_a_sleeping_engine_s_weights_awake_and_leaves_it_asleep(trainer):
+    trainer.cluster.run(engine_sleeps, True)
+    try:
+        trainer.rollout()  # the engine sleeps after generating, as a vLLM engine on a GPU does
+        floor = trainer.certify()
+        assert trainer.cluster.run(engine_sleeps, True) == [True, True], "certify() must leave the engine asleep"
+    finally:
+        trainer.cluster.run(engine_sleeps, False)
+    assert floor.clean and floor.report.checks.set_index("check").loc["stale weights", "named"] == False, str(floor)  # noqa: E712
 
 
 def probe_and_score(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> list[bool]:
@@ -261,6 +400,45 @@ def test_a_rank_whose_engine_ignores_its_loads_is_named_with_its_figures(trainer
     assert "rank 1: gap" in floor.verdict and "rank 0: gap" not in floor.verdict, floor.verdict
 
 
+@pytest.mark.timeout(400)
+def test_a_bf16_trainer_and_an_out_of_process_bf16_engine_read_clean_and_each_planted_cause_is_named(trainer):
+    """vLLM in bf16 on a GPU as the probe sees it: no engine model to copy, the trainer computing in the engine's
+    dtype, so the floor's reference repeats the trainer's arithmetic; the floor is then the dtype's least one."""
+    config = dataclasses.replace(trainer.config, fsdp=rlkit.FSDPConfig(param_dtype="bf16"))
+    bf16 = rlkit.Trainer(trainer.cluster, config)  # the module's trainer is done with: its engines are replaced
+    bf16.cluster.run(engine_out_of_process, "bfloat16", 2**-8)
+    bf16.step()
+    clean = bf16.certify()
+    assert clean.clean and clean.report.floor.minimum == DTYPE_FLOORS["bfloat16"], str(clean)
+    assert clean.dtypes == {"trainer": "bfloat16", "engine": "bfloat16"} and clean.abs_delta_mean > 1e-3, str(clean)
+    bf16.cluster.run(plant_temperature, 0.8)
+    try:
+        hot = bf16.certify()
+    finally:
+        bf16.cluster.run(plant_temperature, None)
+    assert hot.causes == ["sampling: temperature"], str(hot)
+    bf16.cluster.run(skip_syncs, True)
+    try:
+        bf16.step()
+        stale = bf16.certify()
+    finally:
+        bf16.cluster.run(skip_syncs, False)
+    assert stale.causes == ["stale weights"], str(stale)
+
+
+def test_a_floor_that_repeats_the_trainer_s_arithmetic_is_held_at_the_dtype_s_least():
+    """A reference equal to the trainer (a floor of 0) in bf16, an engine off by bf16-sized rounding both ways:
+    clean against the dtype's least floor; an engine at another temperature is still named."""
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 1.0)
+    probe.reference, probe.floor_minimum = probe.trainer, DTYPE_FLOORS["bfloat16"]
+    batch.rollout_logprobs = probe.trainer + torch.tensor([[6e-3, -6e-3, 6e-3, -6e-3]])
+    report = mismatch_report(batch, [probe])
+    assert report.clean and report.floor.floor == DTYPE_FLOORS["bfloat16"], str(report)
+    batch.rollout_logprobs = probe.temperatures[0.8]
+    assert mismatch_report(batch, [probe]).causes == ["sampling: temperature"]
+
+
 @pytest.mark.timeout(300)
 def test_a_corrected_run_on_a_bf16_engine_still_learns(trainer):
     """Measured (2 CPU workers, 30 steps): the reward's mean over the last 5 steps rose by 0.31 and 0.27 over the
@@ -324,7 +502,8 @@ def rescored(batch: Batch, logits: torch.Tensor, temperature: float, top_p: floa
     seen = seen_tokens(batch.input_ids[0], batch.attention_mask[0], 4, 12)
     return Rescored(
         trainer=picked(logits / temperature, tokens),
-        no_temperature=picked(logits, tokens) if temperature != 1 else None,
+        temperatures={t: picked(logits / t, tokens) for t in effective_temperatures(temperature)},
+        temperature=temperature,
         nucleus=picked(nucleus_logits(logits / temperature, top_p), tokens) if top_p < 1 else None,
         no_early_eos=picked(logits.index_fill(-1, torch.tensor([0]), -torch.inf) / temperature, tokens),
         penalised={p: picked(penalised_logits(logits, seen, p) / temperature, tokens) for p in PENALTY_GRID},
@@ -336,7 +515,9 @@ def rescored(batch: Batch, logits: torch.Tensor, temperature: float, top_p: floa
 @pytest.mark.parametrize(
     ("engine", "temperature", "top_p", "named"),
     [
-        ("no_temperature", 0.7, 1.0, "sampling: temperature"),
+        ("temperature=1.0", 0.7, 1.0, "sampling: temperature"),
+        ("temperature=0.8", 1.0, 1.0, "sampling: temperature"),
+        ("temperature=0.49", 0.7, 1.0, "sampling: temperature"),
         ("nucleus", 1.0, 0.5, "sampling: top_p/top_k"),
         ("penalised", 1.0, 1.0, "sampling: repetition_penalty"),
         ("no_early_eos", 1.0, 1.0, "sampling: min_new_tokens"),
@@ -346,12 +527,37 @@ def rescored(batch: Batch, logits: torch.Tensor, temperature: float, top_p: floa
 def test_each_hypothesis_names_only_its_cause(engine, temperature, top_p, named):
     batch, logits = toy_case()
     probe = rescored(batch, logits, temperature, top_p)
-    batch.rollout_logprobs = probe.penalised[1.5] if engine == "penalised" else getattr(probe, engine)
+    if engine.startswith("temperature="):
+        batch.rollout_logprobs = probe.temperatures[float(engine.split("=")[1])]
+    else:
+        batch.rollout_logprobs = probe.penalised[1.5] if engine == "penalised" else getattr(probe, engine)
     report = mismatch_report(batch, [probe])
     assert report.causes == ([named] if named else []), str(report)
     ids = batch.input_ids[0].tolist()
     assert report.tokens["repeated"].tolist() == [ids[2 + t] in ids[: 2 + t] for t in range(4)]
     assert report.tokens["repeated"].any()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_sampling_at_another_temperature_than_the_config_s_1_is_named(trainer):
+    trainer.cluster.run(plant_temperature, 0.8)
+    try:
+        floor = trainer.certify()
+    finally:
+        trainer.cluster.run(plant_temperature, None)
+    assert not floor.clean and floor.causes == ["sampling: temperature"], str(floor)
+    evidence = floor.report.checks.set_index("check").loc["sampling: temperature", "evidence"]
+    assert evidence.startswith("the trainer at temperature 0.8 leaves"), evidence
+
+
+def test_a_temperature_the_engine_reports_is_checked_against_the_config_s_1():
+    """The engine says 0.8, the config 1, and its log-probs are the trainer's (taken before its temperature)."""
+    batch, logits = toy_case()
+    probe = rescored(batch, logits, 1.0, 1.0, sampling={"temperature": 0.8})
+    batch.rollout_logprobs = probe.trainer
+    report = mismatch_report(batch, [probe])
+    assert report.causes == ["sampling: temperature"], str(report)
+    assert "temperature 0.8 and the trainer scores at rollout.temperature=1" in report.checks.loc[0, "fix"]
 
 
 def test_the_fix_offers_the_correction_only_when_it_is_off():
@@ -402,6 +608,8 @@ def test_a_gap_no_check_explains_is_unexplained_with_its_factor_and_the_rank():
     assert report.causes == [] and not report.clean, str(report)
     assert report.verdict.startswith("unexplained: 25.5 x the floor"), report.verdict  # 0.0255 on a floor of 1e-3
     assert "ruled out: sampling: temperature, sampling: top_p/top_k" in report.verdict
+    assert "tokenisation" not in report.verdict, "single-turn rollouts: the tokenisation check did not run"
+    assert report.checks.set_index("check")["ran"].to_dict()["tokenisation"] == False  # noqa: E712
     assert "rank 1: gap 0.05 = 50x its floor 0.001" in report.verdict and "rank 0: gap" not in report.verdict
     by_rank = report.floor.by_rank.set_index("rank")
     assert by_rank.loc[0, "within"] and by_rank.loc[0, "bias"] == pytest.approx(0, abs=1e-7)

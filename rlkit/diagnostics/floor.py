@@ -3,9 +3,17 @@
 The gap is mean ``|trainer - engine|`` per token; the floor is mean ``|trainer - reference|`` over the same
 tokens, where the reference is the trainer's own weights in the engine's arithmetic (the hf engine: a copy of its
 model holding the trainer's weights, so an honest engine sits at the floor to ~1e-7; vLLM: the trainer's forward
-in the other layout, under autocast to the engine's dtype where that is lower). A gap is within the floor when two
-figures are each within their tolerance, :data:`Z` standard errors measured over the rows (the rows are the independent
-draws; their tokens are not) plus :data:`FLOAT_NOISE`:
+in the other layout, under autocast to the engine's dtype where that is lower).
+
+Where engine and trainer compute in the same dtype below fp32 and rlkit does not hold the engine's model (vLLM in
+bf16 on a GPU), no reference is a second implementation: the trainer's other layout repeats its own arithmetic
+(bit for bit with rows of one length), so the measured floor says 0 while two correct bf16 implementations
+(different kernels, fused ops, batch shapes) differ by their rounding. There the floor is at least the dtype's
+minimum, :data:`DTYPE_FLOORS`, measured between vLLM and the trainer on a GPU, and its tolerance comes from the
+spread of the gap itself over the rows (an honest engine's gap is a sample of the floor).
+
+A gap is within the floor when two figures are each within their tolerance, :data:`Z` standard errors measured over
+the rows (the rows are the independent draws; their tokens are not) plus :data:`FLOAT_NOISE`:
 
 - the excess of the gap over the floor, mean ``|trainer - engine|`` - mean ``|trainer - reference|``, against the
   spread of the floor itself (an honest engine's gap varies as the floor does: the standard error of a difference of
@@ -29,6 +37,10 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+DTYPE_FLOORS = {"bfloat16": 8e-3, "float16": 1e-3}
+"""The least floor (nats per token) between two correct implementations in a dtype, for a reference that cannot
+be a second one. bf16: the healthy 0.5B run of issue 43's second H100 lease (vLLM 0.24 against the trainer, 16
+prompts x 8, fixed lengths, one rank) read a gap of 0.0078. fp16 carries 3 more mantissa bits: bf16's / 8."""
 Z = 3.0
 """Standard errors of the excess over the floor that a gap may carry and still be the floor."""
 FLOAT_NOISE = 1e-4
@@ -57,6 +69,8 @@ class Floor:
     """The ``|bias|`` allowed: Z x its standard error over the rows + FLOAT_NOISE."""
     reference: str
     """How the reference was computed."""
+    minimum: float
+    """The least floor the dtype allows (:data:`DTYPE_FLOORS`; 0 where the reference is a second implementation)."""
     by_rank: pd.DataFrame
     """One row per rank: rank, rows, tokens, gap, floor, tolerance, factor (gap / floor), bias, bias_tolerance,
     within (bool)."""
@@ -77,7 +91,8 @@ class Floor:
                 for r in self.by_rank.itertuples() if not r.within]  # fmt: skip
 
     def __str__(self) -> str:
-        return (f"gap {self.gap:.3g} against a floor of {self.floor:.3g} ({_times(self.factor)}; tolerance "
+        least = f", at least the dtype's {self.minimum:g}" if self.minimum else ""
+        return (f"gap {self.gap:.3g} against a floor of {self.floor:.3g}{least} ({_times(self.factor)}; tolerance "
                 f"+{self.tolerance:.2g}), bias {self.bias:+.2g} (tolerance {self.bias_tolerance:.2g}); tolerances: "
                 f"{Z:g} standard errors over the rows + {FLOAT_NOISE:g}; reference: {self.reference}")  # fmt: skip
 
@@ -89,21 +104,23 @@ def measure_floor(
     checked: torch.Tensor,
     rank: torch.Tensor,
     kind: str,
+    minimum: float = 0.0,
 ) -> Floor:
     """The floor of [B, T] ``trainer`` log-probs against ``engine`` and ``reference`` on the ``checked`` tokens
-    ([B, T] bool), over all rows and per ``rank`` ([B] the rank that scored each row)."""
+    ([B, T] bool), over all rows and per ``rank`` ([B] the rank that scored each row), held at ``minimum`` at least
+    (the gap's own spread then gives its tolerance)."""
     sums = {
         "gap": _row_sums((trainer.double() - engine.double()).abs(), checked),
         "floor": _row_sums((trainer.double() - reference.double()).abs(), checked),
         "bias": _row_sums(reference.double() - engine.double(), checked),
         "tokens": checked.sum(dim=1).double(),
     }
-    overall = _compare(sums)
+    overall = _compare(sums, minimum)
     per_rank = []
     for r in sorted(set(rank.tolist())):
-        figures = _compare({name: values[rank == r] for name, values in sums.items()})
+        figures = _compare({name: values[rank == r] for name, values in sums.items()}, minimum)
         per_rank.append({"rank": r, "rows": int((rank == r).sum()), **figures, "within": _within(figures)})
-    return Floor(**overall, reference=kind, by_rank=pd.DataFrame(per_rank))
+    return Floor(**overall, reference=kind, minimum=minimum, by_rank=pd.DataFrame(per_rank))
 
 
 def _within(figures: dict) -> bool:
@@ -119,17 +136,21 @@ def _row_sums(values: torch.Tensor, checked: torch.Tensor) -> torch.Tensor:
     return torch.where(checked, values, 0.0).sum(dim=1)
 
 
-def _compare(sums: dict[str, torch.Tensor]) -> dict:
+def _compare(sums: dict[str, torch.Tensor], minimum: float) -> dict:
     """gap, floor, tolerance, bias, bias_tolerance (and tokens, factor) from per-row sums and token counts ([B]
-    each); the standard errors are the ratio estimator's over the rows (tokens weigh as they do in the means)."""
+    each); the standard errors are the ratio estimator's over the rows (tokens weigh as they do in the means). A
+    floor below ``minimum`` is raised to it, with the spread of the gap for the floor's."""
     tokens = sums["tokens"]
     total = float(tokens.sum())
     if total == 0:
         return {"tokens": 0, "gap": math.nan, "floor": math.nan, "tolerance": math.nan, "factor": math.nan,
                 "bias": math.nan, "bias_tolerance": math.nan}  # fmt: skip
     gap, floor, bias = (float(sums[name].sum()) / total for name in ("gap", "floor", "bias"))
+    spread = _standard_error(sums["floor"], tokens, floor)
+    if floor < minimum:
+        floor, spread = minimum, _standard_error(sums["gap"], tokens, gap)
     return {"tokens": int(total), "gap": gap, "floor": floor, "factor": _factor(gap, floor),
-            "tolerance": Z * math.sqrt(2) * _standard_error(sums["floor"], tokens, floor) + FLOAT_NOISE,
+            "tolerance": Z * math.sqrt(2) * spread + FLOAT_NOISE,
             "bias": bias, "bias_tolerance": Z * _standard_error(sums["bias"], tokens, bias) + FLOAT_NOISE}  # fmt: skip
 
 

@@ -10,7 +10,8 @@ checks:
   the trainer's logits transformed as the engine would (see rlkit.diagnostics.rescore) reproduce the engine's
   log-probs: named when the gap is beyond the floor's tolerance and the hypothesis removes at least 90% of its
   excess over the floor, or when the engine's own settings show a top-k, min-p or penalty (which can change the
-  samples without showing in its log-probs);
+  samples without showing in its log-probs) or a temperature other than the config's (checked at every configured
+  temperature, 1 included: the engine at 0.8 against a config of 1, or the temperature applied twice);
 - "stale weights": on any rank, an engine tensor's fingerprint (rlkit.models.fingerprint: random projections that
   see order) differs from the trainer's (cast to the engine's dtype), or the engine last confirmed an older
   optimizer step's weights than the actor holds;
@@ -18,8 +19,8 @@ checks:
   rollouts: never named, the trainer scores the engine's ids).
 
 The verdict: "clean" only when no check names a cause and the gap is within the floor's tolerance on every rank;
-"unexplained: N x the floor" when it is not and no check names a cause (with what was ruled out and the ranks
-beyond their floors); otherwise the causes named.
+"unexplained: N x the floor" when it is not and no check names a cause (with what was ruled out: the checks that
+ran, not those the settings made inapplicable, and the ranks beyond their floors); otherwise the causes named.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from rlkit.data.batch import Batch
 from rlkit.diagnostics.floor import Floor, measure_floor
 from rlkit.diagnostics.rescore import Rescored
 from rlkit.models.fingerprint import TOLERANCE as FINGERPRINT_TOLERANCE
+
+Check = tuple[str, bool, bool, str, str]
+"""(check, named, ran, evidence, fix)."""
 
 EXPLAINED = 0.1
 """A hypothesis is named when it leaves at most this share of the gap's excess over the floor (or none beyond the
@@ -59,7 +63,8 @@ class MismatchReport:
     summary: dict[str, float]
     """rlkit.algos.mismatch_summary of the tokens (k1, k3, chi2, ``|delta|`` mean and max, ratio stats, ESS)."""
     checks: pd.DataFrame
-    """One row per check: check, named (bool), evidence, fix."""
+    """One row per check: check, named (bool), ran (bool: False where the settings or the rollout left nothing to
+    test), evidence, fix."""
     floor: Floor
     """The gap against the floor measured on the same rows, over all ranks and per rank."""
     dtypes: dict[str, str]
@@ -85,7 +90,7 @@ class MismatchReport:
             return "causes named: " + ", ".join(self.causes) + (f" ({ranks})" if ranks else "")
         if self.floor.within:
             return f"clean: the gap is within the tolerance of the floor ({self.floor})"
-        ruled_out = ", ".join(self.checks.loc[~self.checks["named"], "check"])
+        ruled_out = ", ".join(self.checks.loc[self.checks["ran"] & ~self.checks["named"], "check"]) or "nothing"
         return (f"unexplained: {self.floor.factor:.3g} x the floor ({self.floor}); ruled out: {ruled_out}"
                 + (f"; beyond their floors: {ranks}" if ranks else ""))  # fmt: skip
 
@@ -123,7 +128,7 @@ def mismatch_report(
         by_rank=grouped(tokens, "rank"),
         by_turn=grouped(tokens, "turn"),
         summary=summary,
-        checks=pd.DataFrame(checks, columns=["check", "named", "evidence", "fix"]),
+        checks=pd.DataFrame(checks, columns=["check", "named", "ran", "evidence", "fix"]),
         floor=floor,
         dtypes=rescored[0].dtypes,
         sampling=rescored[0].sampling,
@@ -172,15 +177,11 @@ def grouped(tokens: pd.DataFrame, by: str | list[str]) -> pd.DataFrame:
 
 def run_checks(
     batch: Batch, rescored: Sequence[Rescored], floor: Floor, gap_history: list[float], correction_on: bool = False
-) -> list[tuple[str, bool, str, str]]:
-    """(check, named, evidence, fix) for each check of the module doc."""
-    sampling = rescored[0].sampling
+) -> list[Check]:
+    """(check, named, ran, evidence, fix) for each check of the module doc."""
     correct = _correction_hint(correction_on)
     checks = [
-        _hypothesis("sampling: temperature", floor, batch, _joined(rescored, "no_temperature"),
-                    f"temperature={sampling.get('temperature')}: the trainer at temperature 1 leaves",
-                    "the engine's log-probs are taken before the temperature: ask the engine for processed "
-                    "log-probs (vLLM logprobs_mode='processed_logprobs', as rlkit's engine does)"),
+        _temperature_check(floor, batch, rescored),
         _truncation_check(floor, batch, rescored, correct),
         _hypothesis("sampling: min_new_tokens", floor, batch, _joined(rescored, "no_early_eos"),
                     "the trainer with end-of-text suppressed before min_new_tokens leaves",
@@ -199,32 +200,33 @@ def _floor(batch: Batch, rescored: Sequence[Rescored], trainer: torch.Tensor) ->
     kind = rescored[0].reference_kind if reference is not None else "none (a floor of 0)"
     _, checked = engine_log_ratio(trainer, batch.rollout_logprobs, batch.response_mask)
     rank = torch.cat([torch.full((len(r.trainer),), r.rank) for r in rescored])
+    minimum = max(r.floor_minimum for r in rescored)
     return measure_floor(trainer, batch.rollout_logprobs, trainer if reference is None else reference, checked,
-                         rank, kind)  # fmt: skip
+                         rank, kind, minimum)  # fmt: skip
 
 
-def _tokenisation_check(batch: Batch) -> tuple[str, bool, str, str]:
+def _tokenisation_check(batch: Batch) -> Check:
     """Multi-turn rollouts: trajectories whose re-rendered conversation drifted from the ids the engine saw."""
     if batch.trajectories is None:
-        return "tokenisation", False, "single-turn rollouts: engine and trainer score the same token ids", ""
+        return "tokenisation", False, False, "single-turn rollouts: engine and trainer score the same token ids", ""
     drifted = [t.drift for t in batch.trajectories if t.drift]
     evidence = (f"{len(drifted)} of {len(batch.trajectories)} trajectories' re-rendered conversations differ from "
                 f"the engine's ids; first: {drifted[0]}" if drifted else
                 "multi-turn rollouts: the trainer scores the engine's own ids (token in, token out), no drift")
     fix = ("the chat template renders earlier turns differently from how the model produced them: train on the "
            "engine's ids (rlkit does) and fix the template if the drift is in the prompt part")
-    return "tokenisation", bool(drifted), evidence, fix if drifted else ""
+    return "tokenisation", bool(drifted), True, evidence, fix if drifted else ""
 
 
 def _hypothesis(
     name: str, floor: Floor, batch: Batch, scores: torch.Tensor | None, evidence: str, fix: str
-) -> tuple[str, bool, str, str]:
+) -> Check:
     if scores is None:
-        return name, False, "not applicable to these settings", ""
+        return name, False, False, "not applicable to these settings", ""
     if floor.within:
-        return name, False, f"the gap ({floor.gap:.2g} nats per token) is within the floor's tolerance", ""
+        return name, False, True, f"the gap ({floor.gap:.2g} nats per token) is within the floor's tolerance", ""
     left = _gap(scores, batch)
-    return name, _explains(left, floor), f"{evidence} {left:.3g} of a gap of {floor.gap:.3g} nats per token", fix
+    return name, _explains(left, floor), True, f"{evidence} {left:.3g} of a gap of {floor.gap:.3g} nats per token", fix
 
 
 def _explains(left: float, floor: Floor) -> bool:
@@ -252,9 +254,31 @@ def _correction_hint(on: bool) -> str:
     return ", or turn rollout_correction on"
 
 
+def _temperature_check(floor: Floor, batch: Batch, rescored: Sequence[Rescored]) -> Check:
+    """The engine's effective temperature against the config's, whatever its value: the temperature the engine
+    reports, and the trainer re-scored at each other temperature (rlkit.diagnostics.rescore.effective_temperatures)."""
+    name = "sampling: temperature"
+    configured, reported = rescored[0].temperature, rescored[0].sampling.get("temperature")
+    reported_differs = isinstance(reported, int | float) and not math.isclose(reported or 1.0, configured)
+    left = {t: _gap(torch.cat([r.temperatures[t] for r in rescored]), batch) for t in sorted(rescored[0].temperatures)}
+    best = min(left, key=left.__getitem__) if left else None
+    scored_differs = best is not None and _explains(left[best], floor)
+    evidence = f"the engine reports temperature {reported}, the config {configured:g}"
+    if best is not None:
+        evidence = (f"the trainer at temperature {best:g} leaves {left[best]:.3g} of a gap of {floor.gap:.3g} nats per "
+                    f"token; {evidence}")  # fmt: skip
+    if not (reported_differs or scored_differs):
+        return name, False, True, evidence, ""
+    fix = (f"the engine samples at temperature {best if scored_differs else reported:g} and the trainer scores at "
+           f"rollout.temperature={configured:g}: give both the same one (remove a temperature the engine applies "
+           "itself: a model's generation_config, a logits processor, a sampler default), with the engine's log-probs "
+           "taken after it (vLLM logprobs_mode='processed_logprobs', as rlkit's engine does)")  # fmt: skip
+    return name, True, True, evidence, fix
+
+
 def _truncation_check(
     floor: Floor, batch: Batch, rescored: Sequence[Rescored], correct: str
-) -> tuple[str, bool, str, str]:
+) -> Check:
     """top_p and top_k renormalise the engine's log-probs (hypotheses: the nucleus, each k of the grid); top_k and
     min_p among the engine's settings truncate its sampling."""
     name = "sampling: top_p/top_k"
@@ -271,14 +295,14 @@ def _truncation_check(
     fix = (f"the engine samples from a truncated distribution ({best if named else 'top-p, top-k, min-p'}) and the "
            "trainer scores the whole one: set rollout.top_p=1 and remove the others (a model's generation_config, "
            f"a sampler default, a logits processor){correct}")  # fmt: skip
-    return name, named or bool(static), evidence, fix
+    return name, named or bool(static), True, evidence, fix
 
 
-def _penalty_check(floor: Floor, batch: Batch, rescored: Sequence[Rescored]) -> tuple[str, bool, str, str]:
+def _penalty_check(floor: Floor, batch: Batch, rescored: Sequence[Rescored]) -> Check:
     name = "sampling: repetition_penalty"
     penalties = sorted(rescored[0].penalised)
     if not penalties:
-        return name, False, "not applicable", ""
+        return name, False, False, "not applicable", ""
     left = {p: _gap(torch.cat([r.penalised[p] for r in rescored]), batch) for p in penalties}
     best = min(left, key=left.__getitem__)
     static = _static(rescored, ("repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size"))
@@ -287,10 +311,10 @@ def _penalty_check(floor: Floor, batch: Batch, rescored: Sequence[Rescored]) -> 
                 f"per token; the engine's settings show {static or 'none'}")  # fmt: skip
     fix = (f"the engine samples with a repetition penalty (about {best:g}) the trainer does not apply: remove it "
            "(vLLM generation_config='vllm'; a model's generation_config.json for Hugging Face generate)")  # fmt: skip
-    return name, named, evidence, fix
+    return name, named, True, evidence, fix
 
 
-def _stale_check(rescored: Sequence[Rescored], gap_history: list[float]) -> tuple[str, bool, str, str]:
+def _stale_check(rescored: Sequence[Rescored], gap_history: list[float]) -> Check:
     """Every rank's engine: fingerprints against its trainer's gathered weights, and the confirmed sync step."""
     findings, compared = [], []
     for r in rescored:
@@ -314,7 +338,7 @@ def _stale_check(rescored: Sequence[Rescored], gap_history: list[float]) -> tupl
     if len(gap_history) >= 2 and gap_history[-1] > 10 * max(float(pd.Series(gap_history[:-1]).median()), 1e-6):
         evidence += f"; the gap jumped to {gap_history[-1]:.3g} at the last step"
     fix = "the engine does not hold the actor's weights: check the weight sync (time/worker/sync, the engine's logs)"
-    return "stale weights", bool(findings), evidence, fix
+    return "stale weights", bool(findings), True, evidence, fix
 
 
 def _joined(rescored: Sequence[Rescored], field: str) -> torch.Tensor | None:

@@ -5,7 +5,9 @@ setting that transforms the logits before sampling, or a lower precision). If th
 transformed the same way, reproduce the engine's, that hypothesis explains the gap
 (:mod:`rlkit.diagnostics.mismatch` decides). The hypotheses, all from the trainer's fp32 logits z:
 
-- ``no_temperature``: log softmax(z), the engine's log-probs taken before the temperature (TRL #4159);
+- ``temperatures[t]``: log softmax(z / t) for each t of a grid, and the configured T applied twice (T²): an engine
+  whose effective temperature is not the configured one (set on one side only, TRL #4159; the engine's log-probs
+  taken before the temperature, t = 1; a logits processor or sampler default that scales again);
 - ``nucleus``: log softmax(z / T) renormalised over the top-p nucleus (TRL #6789: the engine's "processed"
   log-probs at top_p < 1 are log(p / kept mass));
 - ``top_k[k]``: the same over the k most likely tokens, for each k of a grid (a top-k the engine applies and rlkit
@@ -35,6 +37,9 @@ PENALTY_GRID = (0.8, 0.9, 0.95, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0)
 """Repetition penalties tried by the ``penalised`` hypothesis (1 is the trainer itself)."""
 TOP_K_GRID = (1, 2, 4, 8, 16, 20, 32, 40, 50, 64, 100, 128)
 """Top-k values tried by the ``top_k`` hypothesis (common sampler defaults and powers of two)."""
+TEMPERATURE_GRID = (0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
+"""Effective temperatures tried by the ``temperatures`` hypothesis, with the configured one squared (applied twice);
+the configured one itself is the trainer."""
 UNSAMPLEABLE = -100.0
 """The log-prob a truncation hypothesis gives a token it excludes (the engine sampled it: a gap that refutes it)."""
 PROBE_ROWS = 4
@@ -47,8 +52,10 @@ class Rescored:
 
     trainer: torch.Tensor
     """Under the actor's current weights, at the rollout's temperature: what the trainer believes."""
-    no_temperature: torch.Tensor | None = None
-    """The same at temperature 1 (only when the rollout's temperature is not 1)."""
+    temperatures: dict[float, torch.Tensor] = field(default_factory=dict)
+    """The same at each other effective temperature of :func:`effective_temperatures`."""
+    temperature: float = 1.0
+    """The rollout's configured temperature (what ``trainer`` scores at)."""
     nucleus: torch.Tensor | None = None
     """Renormalised over the top-p nucleus (only when top_p < 1)."""
     top_k: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -59,6 +66,9 @@ class Rescored:
     """Under each repetition penalty of :data:`PENALTY_GRID`."""
     reference: torch.Tensor | None = None
     """The floor's reference: the trainer's weights in the engine's arithmetic (see ``reference_kind``)."""
+    floor_minimum: float = 0.0
+    """The least floor (nats per token) where ``reference`` cannot be a second implementation of the engine's
+    arithmetic (rlkit.diagnostics.floor.DTYPE_FLOORS); 0 otherwise."""
     reference_kind: str = ""
     """How the reference was computed (a copy of the engine's model holding the trainer's weights, or the
     trainer's own forward in another layout, under autocast to the engine's dtype where that is lower)."""
@@ -91,16 +101,16 @@ def rescore_rows(
 ) -> dict[str, torch.Tensor]:
     """Rows [b, P + T] re-scored by ``model`` under the hypotheses of the module doc (one forward, no grad).
 
-    Returns {"trainer", "no_temperature" (T != 1), "nucleus" (top_p < 1), "no_early_eos" (min_new_tokens > 0),
-    "top_k=<k>" for each k < V, "penalty=<p>" for each p}: [b, T] each.
+    Returns {"trainer", "temperature=<t>" for each t of :func:`effective_temperatures`, "nucleus" (top_p < 1),
+    "no_early_eos" (min_new_tokens > 0), "top_k=<k>" for each k < V, "penalty=<p>" for each p}: [b, T] each.
     """
     logits = response_logits(model, input_ids, attention_mask, width).float()
     tokens = input_ids[:, -width:]
     mask = attention_mask[:, -width:].bool()
     t = temperature or 1.0
     out = {"trainer": _picked(logits / t, tokens)}
-    if t != 1.0:
-        out["no_temperature"] = _picked(logits, tokens)
+    for other in effective_temperatures(t):
+        out[f"temperature={other!r}"] = _picked(logits / other, tokens)
     if top_p < 1.0:
         out["nucleus"] = _picked(nucleus_logits(logits / t, top_p), tokens).clamp(min=UNSAMPLEABLE)
     for k in (k for k in TOP_K_GRID if k < logits.shape[-1]):
@@ -116,6 +126,13 @@ def rescore_rows(
             out.setdefault(key, torch.zeros_like(out["trainer"]))
             out[key][row] = _picked(penalised_logits(logits[row], seen, p) / t, tokens[row])
     return {name: value.masked_fill(~mask, 0.0) for name, value in out.items()}
+
+
+def effective_temperatures(configured: float) -> list[float]:
+    """The temperatures an engine may sample at instead of ``configured`` (its greedy 0 scores at 1): those of
+    :data:`TEMPERATURE_GRID` and ``configured`` applied twice, ``configured`` itself left out."""
+    t = configured or 1.0
+    return sorted(set(TEMPERATURE_GRID) - {t} | ({round(t * t, 6)} - {t}))
 
 
 def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, vocab: int) -> torch.Tensor:

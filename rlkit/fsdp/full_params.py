@@ -36,13 +36,35 @@ def iter_full_params(
     """
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model, writeback=False):
-            for name, param in model.named_parameters():
-                if keep is None or keep(clean_name(name)):
+            for name, param in _fsdp1_params(model):
+                if keep is None or keep(name):
                     # summon_full_params frees these views on exit: copy so the tensor outlives the loop
-                    yield clean_name(name), param.detach().clone()
+                    yield name, param.detach().clone()
         return
     for name, param in model.named_parameters():
         if keep is not None and not keep(name):
             continue
         full = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, full.detach()
+
+
+def _fsdp1_params(model: FSDP) -> Iterator[tuple[str, torch.Tensor]]:
+    """(clean name, tensor) of every original parameter of an FSDP1 model in module order (tied ones once), read
+    through the modules' attributes: FSDP1 on a rank that does not shard (NO_SHARD) leaves the parameters that do not
+    train as plain tensors after a forward, outside ``named_parameters`` (a LoRA base's weights: their merge with
+    the adapters would miss them)."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
+    flat: dict[int, list[str]] = {}
+    for handle in _get_fsdp_handles(model):
+        for info in handle.flat_param._param_infos:
+            flat.setdefault(id(info.module), []).append(info.param_name)
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for attr in dict.fromkeys([*module._parameters, *flat.get(id(module), [])]):
+            tensor = getattr(module, attr)
+            if tensor is None or isinstance(tensor, FlatParameter) or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            yield clean_name(f"{module_name}.{attr}"), tensor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,6 +79,11 @@ class RolloutEngine(Protocol):
 
     def sleep(self) -> None:
         """Release device memory (weights, KV cache) until the next load_weights or generate, where supported."""
+        ...
+
+    def weights_awake(self) -> AbstractContextManager[None]:
+        """The engine's weights readable in this block (a sleeping engine's woken), and the engine left as it was
+        found (asleep again if it slept): what every diagnostic that reads the engine's weights holds."""
         ...
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -90,6 +91,10 @@ class HFEngine:
 
     def sleep(self) -> None:
         """Nothing to release: the copy stays resident (it is what generate and load_weights use)."""
+
+    def weights_awake(self) -> AbstractContextManager[None]:
+        """Nothing to wake: the weights are always readable."""
+        return nullcontext()
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""

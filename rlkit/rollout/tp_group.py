@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -126,6 +127,10 @@ class TPGroupEngine:
     def sleep(self) -> None:
         if self.engine is not None:
             self.engine.sleep()
+
+    def weights_awake(self) -> AbstractContextManager[None]:
+        """Nothing to wake: no diagnostic reads a group's engine's weights (its workers each hold shards)."""
+        return nullcontext()
 
     def close(self) -> None:
         """Stop the owner's engine and leave the group; idempotent."""

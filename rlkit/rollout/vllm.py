@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -256,6 +256,23 @@ class VLLMEngine:
         free, total = torch.cuda.mem_get_info(self.device)
         if not self.sleep_policy.should_sleep(free=free, held=torch.cuda.memory_reserved(self.device), total=total):
             return
+        self._sleep_now()
+
+    @contextmanager
+    def weights_awake(self) -> Iterator[None]:
+        """The engine's weights mapped (and so readable) in this block; an engine that slept sleeps again after it.
+        Asleep, vLLM's weights are unmapped (cuMem sleep mode): a read of them faults the device (CUDA illegal
+        memory access) and kills the engine. The KV cache wakes too, restoring the state sleep left from."""
+        asleep = bool(self._asleep)
+        self._wake("weights", "kv_cache")
+        try:
+            yield
+        finally:
+            if asleep:
+                self._sleep_now()
+
+    def _sleep_now(self) -> None:
+        """Detach the shared buffers and put the weights and KV cache to sleep (level 1: weights kept on the host)."""
         if self._shared is not None:
             self.llm.collective_rpc("rlkit_detach")
             self._shared = None

@@ -39,7 +39,8 @@ class GapFloor:
     abs_delta_max: float
     kl_k3: float
     floor: float
-    """Mean ``|trainer - reference|`` over the same tokens (rlkit.diagnostics.floor): what an honest engine leaves."""
+    """Mean ``|trainer - reference|`` over the same tokens (rlkit.diagnostics.floor): what an honest engine leaves; at
+    least the dtype's least floor where the reference repeats the trainer's own arithmetic (vLLM in bf16)."""
     tolerance: float
     """The excess over the floor still called the floor (3 standard errors over the rows + FLOAT_NOISE, 1e-4)."""
     causes: list[str]

@@ -13,12 +13,13 @@ from typing import Protocol
 import torch
 
 from rlkit.config import LoraConfig, RLConfig, RolloutConfig
+from rlkit.diagnostics.floor import DTYPE_FLOORS
 from rlkit.diagnostics.rescore import PROBE_ROWS, Rescored, engine_fingerprints, rescore_rows
 from rlkit.fsdp import param_dtype
 from rlkit.models.fingerprint import differs, fingerprint
 from rlkit.models.logprobs import response_logprobs
 from rlkit.models.packing import can_pack
-from rlkit.rollout.base import LOGIT_SETTINGS, SamplingParams
+from rlkit.rollout.base import LOGIT_SETTINGS, RolloutEngine, SamplingParams
 from rlkit.workers.batches import Rows
 from rlkit.workers.lora import engine_weights
 from rlkit.workers.training import TrainedModel
@@ -36,7 +37,7 @@ class Probed(Protocol):
     @property
     def actor(self) -> TrainedModel: ...
     @property
-    def engine(self) -> object: ...
+    def engine(self) -> RolloutEngine: ...
     @property
     def engine_synced_at(self) -> int: ...
     @property
@@ -63,7 +64,8 @@ def probe_mismatch(worker: Probed, rows: Rows) -> Rescored:
     packed = cfg.padding_free and can_pack(model)
     result = Rescored(
         trainer=_scores(model, rows, width, rollout.temperature, packed),  # what the update's forward computes
-        no_temperature=scored.get("no_temperature"),
+        temperatures={float(k.split("=")[1]): v for k, v in scored.items() if k.startswith("temperature=")},
+        temperature=rollout.temperature or 1.0,
         nucleus=scored.get("nucleus"),
         no_early_eos=scored.get("no_early_eos"),
         top_k={int(k.split("=")[1]): v for k, v in scored.items() if k.startswith("top_k=")},
@@ -74,7 +76,8 @@ def probe_mismatch(worker: Probed, rows: Rows) -> Rescored:
         engine_synced_at=worker.engine_synced_at,
         sampling=engine_sampling(worker.engine, rollout),
     )
-    reference = _compare_weights(worker, result, engine_dtype)
+    with worker.engine.weights_awake():  # a sleeping vLLM engine's weights are unmapped: reading them faults
+        reference = _compare_weights(worker, result, engine_dtype)
     if reference is not None:
         result.reference = _scores(reference, rows, width, rollout.temperature, False)
         result.reference_kind = f"a {_name(engine_dtype)} copy of the engine's model holding the trainer's weights"
@@ -84,6 +87,9 @@ def probe_mismatch(worker: Probed, rows: Rows) -> Rescored:
         result.reference = _scores(model, rows, width, rollout.temperature, not packed)
     layout = "packed" if not packed else "padded"
     result.reference_kind = f"the trainer's {layout} forward" + (f" under {_name(engine_dtype)} autocast" * lower)
+    if engine_dtype == trainer_dtype and engine_dtype.itemsize < 4:  # the reference repeats the trainer's rounding
+        result.floor_minimum = DTYPE_FLOORS.get(_name(engine_dtype), 0.0)
+        result.reference_kind += f" (the trainer's own {_name(engine_dtype)} arithmetic: the dtype's least floor)"
     return result
 
 
