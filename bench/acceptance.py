@@ -205,8 +205,11 @@ def main() -> None:
     extra += ["--raw", str(args.raw)] if args.raw else []
     record = run_items(args.names, ITEMS, args.out, args.budget, args.device,
                        lambda name: [sys.executable, str(ITEMS_SCRIPT), name, *extra], args.slow)  # fmt: skip
-    failed = [i["name"] for i in record["items"] if i["name"] in args.names and not i["passed"]]
-    print(f"acceptance: {len(args.names) - len(failed)} of {len(args.names)} passed; not passed: {failed}")
+    mine = [i for i in record["items"] if i["name"] in args.names]
+    failed = [i["name"] for i in mine if i["ran"] and not i["passed"]]
+    skipped = [i["name"] for i in mine if not i["ran"]]
+    print(f"acceptance: {len(mine) - len(failed) - len(skipped)} of {len(mine)} passed; failed: {failed}; "
+          f"not run: {skipped}")  # fmt: skip
 
 
 if __name__ == "__main__":
