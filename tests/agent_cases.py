@@ -14,8 +14,12 @@ import time
 
 import torch
 
+from rlkit.config.agent import AgentConfig
 from rlkit.data.agent_tasks import calculator
+from rlkit.data.agents import Agent, agent_tools
+from rlkit.data.chat import ChatRenderer
 from rlkit.rollout.base import Generation, SamplingParams
+from rlkit.rollout.episodes import EpisodeInput, run_episodes
 
 CALL = '<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
 SCRIPTS = {
@@ -35,6 +39,10 @@ SCRIPTS = {
     "tally": [CALL.format(name="add", args='{"amount": 2}'), CALL.format(name="add", args='{"amount": 3}'), "done"],
     "count": [CALL.format(name="count_to", args='{"n": 40}'), "done"],
     "async_calc": [CALL.format(name="async_calculator", args=json.dumps({"expression": "6*7"})), "42"],
+    "escapes": ["".join(CALL.format(name="escaping", args=json.dumps({"kind": kind}))
+                        for kind in ("exit", "interrupt", "generator", "cancelled", "timeout")), "done"],
+    "returns": [CALL.format(name="forgetful", args='{"x": 1}') * 2 + CALL.format(name="unprintable", args='{"x": 1}'),
+                "done"],
 }
 """What the model writes at turn k of a trajectory whose prompt is the script's name (the last entry repeats)."""
 
@@ -271,3 +279,19 @@ class ScriptedEngine:
 
     def close(self) -> None:
         pass
+
+
+def episodes(tokenizer, scripts: list[str], *, tools=(calculator,), environment=None, width: int = 90, **limits):
+    """run_episodes on the scripted engine: one trajectory per script name, each prompt "<name>" as a user message."""
+    made, problems = agent_tools(list(tools), environment)
+    assert not problems
+    agent = Agent(tuple(made), environment, AgentConfig(**{"call_timeout": 1.0, **limits}))
+    renderer = ChatRenderer(tokenizer, agent.schemas)
+    messages = [[{"role": "user", "content": name}] for name in scripts]
+    texts = [renderer.render(m, generation_prompt=environment is None) for m in messages]  # as load_run_data
+    enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    inputs = [EpisodeInput(messages=m, fields={"secret": "37"}) for m in messages]
+    engine = ScriptedEngine(tokenizer)
+    params = SamplingParams(n=1, max_new_tokens=width, temperature=1.0, top_p=1.0, seed=0)
+    out = run_episodes(engine, renderer, agent, inputs, enc["input_ids"], enc["attention_mask"], params, first_row=10)
+    return out, engine, renderer, enc
