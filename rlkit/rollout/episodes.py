@@ -73,6 +73,8 @@ class _Open:
     name: str
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
+    prompt_messages: int = 0
+    """How many of ``messages`` are the prompt's (those after it are the model's turns and the observations)."""
     environment: Environment | None = None
     observation: str | None = None
     """What the environment's reset returned: the first observation, or None."""
@@ -197,7 +199,8 @@ def _start(
         ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
         for _ in range(n):
             row = first + len(states)
-            states.append(_Open(name=f"trajectory {row}", prompt_ids=ids, messages=list(item.messages)))
+            states.append(_Open(name=f"trajectory {row}", prompt_ids=ids, messages=list(item.messages),
+                                prompt_messages=len(item.messages)))  # fmt: skip
     factory = agent.environment
     if factory is None:
         return states
@@ -344,7 +347,7 @@ def _append_reaction(
 
 
 def _trajectory(state: _Open, renderer: ChatRenderer) -> Trajectory:
-    drift = renderer.drift(state.messages, state.prompt_ids + state.ids)
+    drift = renderer.drift(state.messages, state.prompt_ids + state.ids, observations_from=state.prompt_messages)
     return Trajectory(messages=state.messages, turns=state.turns, finish_reason=state.finish, error=state.error,
                       drift=drift, close_error=state.close_error)  # fmt: skip
 
