@@ -14,47 +14,28 @@ from agent_cases import (
     QWEN3_THINKING_TEMPLATE,
     SCRIPTS,
     EchoProcess,
-    ScriptedEngine,
     Tally,
     async_calculator,
     broken,
     count_to,
+    episodes,
     slow,
 )
 
 from rlkit.algos import loss_weights
-from rlkit.config.agent import AgentConfig
 from rlkit.data.agent_tasks import GuessNumber, calculator
-from rlkit.data.agents import Agent, agent_tools
+from rlkit.data.agents import agent_tools
 from rlkit.data.chat import ChatRenderer
 from rlkit.data.tools import make_tools, parse_hermes, parse_mistral
 from rlkit.models import load_tokenizer
 from rlkit.models.tiny import TINY_AGENT_DIR
-from rlkit.rollout.base import SamplingParams
 from rlkit.rollout.calls import CallRunner, call
-from rlkit.rollout.episodes import EpisodeInput, run_episodes
 from rlkit.trainer.agentic import failure_summary
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(TINY_AGENT_DIR)
-
-
-def episodes(tokenizer, scripts: list[str], *, tools=(calculator,), environment=None, width: int = 90, **limits):
-    """run_episodes on the scripted engine: one trajectory per script name, each prompt "<name>" as a user message."""
-    made, problems = agent_tools(list(tools), environment)
-    assert not problems
-    agent = Agent(tuple(made), environment, AgentConfig(**{"call_timeout": 1.0, **limits}))
-    renderer = ChatRenderer(tokenizer, agent.schemas)
-    messages = [[{"role": "user", "content": name}] for name in scripts]
-    texts = [renderer.render(m, generation_prompt=environment is None) for m in messages]  # as load_run_data
-    enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
-    inputs = [EpisodeInput(messages=m, fields={"secret": "37"}) for m in messages]
-    engine = ScriptedEngine(tokenizer)
-    params = SamplingParams(n=1, max_new_tokens=width, temperature=1.0, top_p=1.0, seed=0)
-    out = run_episodes(engine, renderer, agent, inputs, enc["input_ids"], enc["attention_mask"], params, first_row=10)
-    return out, engine, renderer, enc
 
 
 # -- tools, parsers, calls ---------------------------------------------------------------------

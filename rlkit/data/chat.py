@@ -9,6 +9,11 @@ the template's own tokens and the observation's text are tokenised. The boundary
 at its end-of-turn token (the tokenizer's eos, where the engine stops); whatever the template writes after
 that token (Qwen's "\\n" after ``<|im_end|>``) belongs to the observation, and is masked out of the loss with it.
 
+Observations are text: the contents of tool results and of the environment's messages are tokenised with the
+tokenizer's special tokens split into plain text, so a tool result that writes ``<|im_end|>`` or
+``<|eot_id|><|start_header_id|>assistant`` cannot close its turn or forge an assistant's (only the template's own
+special tokens are control tokens). The model's own turns keep their special tokens (they are its sampled ids).
+
 A template that is not append-only (one that rewrites earlier turns, e.g. drops their reasoning) or a model
 that samples a non-canonical tokenisation makes the ids differ from a re-render of the whole conversation:
 :meth:`ChatRenderer.drift` finds the first differing position and shows the context, and the trajectory
@@ -17,6 +22,8 @@ trains on the ids the engine saw, never on the re-render.
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Any
 
 STAND_IN = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
@@ -37,6 +44,10 @@ class ChatRenderer:
         self.tools = tools or None
         self.stop_id: int = tokenizer.eos_token_id
         self._stand_in: list[int] | None = None
+        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len)
+        self._special_ids = {text: tokenizer.convert_tokens_to_ids(text) for text in specials}
+        self._specials = re.compile("|".join(map(re.escape, reversed(specials)))) if specials else None
+        """The special tokens' texts, longest first (as the tokenizer matches them)."""
 
     def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
         """The template's text of ``messages`` (with the tools), and the next assistant turn's opening if asked."""
@@ -44,9 +55,32 @@ class ChatRenderer:
             messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
         )
 
-    def ids(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
-        text = self.render(messages, generation_prompt=generation_prompt)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def ids(
+        self, messages: list[dict[str, Any]], *, generation_prompt: bool, observations_from: int | None = None
+    ) -> list[int]:
+        """The ids of ``messages`` rendered. The contents of the messages from index ``observations_from`` on (none
+        when None) that are not the model's (tool results, the environment's replies) are tokenised as text: the
+        special tokens written in them are plain text, never control tokens."""
+        specials = self._specials
+        if specials is None or observations_from is None:
+            return self.tokenizer(self.render(messages, generation_prompt=generation_prompt), add_special_tokens=False)[
+                "input_ids"
+            ]
+        marker = f"\ue000{uuid.uuid4().hex}\ue001"  # in no content: it marks the special tokens' text in theirs
+        shown = [
+            {**m, "content": specials.sub(lambda found: found[0][0] + marker + found[0][1:], m["content"])}
+            if i >= observations_from and m.get("role") != "assistant" and isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]  # fmt: skip
+        text = self.render(shown, generation_prompt=generation_prompt)
+        # the template's special tokens are control tokens; the text between them (observations unmarked) is text,
+        # tokenised piece by piece as the tokenizer does between special tokens
+        pieces = [piece.replace(marker, "") for piece in specials.split(text)]
+        plain = self.tokenizer(pieces, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids: list[int] = list(plain[0])
+        for special, after in zip(specials.findall(text), plain[1:], strict=True):
+            ids += [self._special_ids[special], *after]
+        return ids
 
     def observation_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The ids to append after a model turn that ended with its end-of-turn token: the template's tokens after
@@ -71,7 +105,7 @@ class ChatRenderer:
                 f"a turn: {self.render(STAND_IN, generation_prompt=False)!r}; set the tokenizer's eos_token to the "
                 "template's end-of-turn token (e.g. <|im_end|>)"
             )
-        after = self.ids([*STAND_IN, *messages], generation_prompt=True)
+        after = self.ids([*STAND_IN, *messages], generation_prompt=True, observations_from=len(STAND_IN))
         ends, later = _ends(before, self.stop_id), _ends(after, self.stop_id)
         earlier = ends[-2]  # the stand-in's ids before its assistant turn, whose end-of-turn token is its last
         if len(later) < len(ends) or after[:earlier] != before[:earlier]:
@@ -91,7 +125,7 @@ class ChatRenderer:
             TemplateError: the template renders the prompt differently once a message follows it.
         """
         extra = [{"role": "user", "content": observation}] if observation else []
-        after = self.ids([*messages, *extra], generation_prompt=True)
+        after = self.ids([*messages, *extra], generation_prompt=True, observations_from=len(messages))
         if after[: len(prompt_ids)] != prompt_ids:
             raise TemplateError(
                 "the chat template renders the prompt differently once the environment's first observation follows "
@@ -101,8 +135,9 @@ class ChatRenderer:
 
     def shortened(self, text: str, tokens: int, side: str) -> str:
         """``text`` cut to its first (``side`` "left"), last ("right") or first and last ("middle", half each)
-        ``tokens`` tokens, the cut marked "...(truncated)"; as it is when it is no longer."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ``tokens`` tokens (tokenised as text, as observations are), the cut marked "...(truncated)"; as it is when it is
+        no longer."""
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         if len(ids) <= tokens:
             return text
         decode = self.tokenizer.decode
@@ -113,10 +148,11 @@ class ChatRenderer:
         half = tokens // 2
         return decode(ids[:half]) + "...(truncated)..." + decode(ids[len(ids) - (tokens - half) :])
 
-    def drift(self, messages: list[dict[str, Any]], ids: list[int]) -> str:
+    def drift(self, messages: list[dict[str, Any]], ids: list[int], observations_from: int | None = None) -> str:
         """Where ``ids`` (a trajectory's prompt and response, token in / token out) stop matching the re-rendered
-        ``messages``; "" when they match. The re-render may run on past ``ids`` (the template closes the last turn)."""
-        rendered = self.ids(messages, generation_prompt=False)
+        ``messages`` (observations from index ``observations_from`` on, tokenised as text as they were); "" when they
+        match. The re-render may run on past ``ids`` (the template closes the last turn)."""
+        rendered = self.ids(messages, generation_prompt=False, observations_from=observations_from)
         at = first_difference(ids, rendered)
         if at is None or at == len(ids):
             return ""

@@ -11,11 +11,13 @@ observation, a str the model reads as a user message after the prompt, or None) 
   a sandbox, a browser page or a game's state. The episode ends when the model answers without a call.
 
 Optionally ``get_reward()``, called once the trajectory is over (its value joins the last turn's reward), and
-``close()``, called after it, to release what ``reset`` opened. Any of them may be ``async``: a worker runs all
-of them on one event loop (:class:`rlkit.rollout.calls.CallRunner`), so a subprocess or client opened in
-``reset`` can be used in every ``step`` or tool call and ended in ``close``. The run is given the class (or any
-callable that makes a fresh one; only a class can offer tools); each trajectory gets its own instance, so no
-state is shared.
+``close()``, called after it, to release what ``reset`` opened: every environment made is closed exactly once,
+whatever failed (its reset, a step, a tool, ``get_reward``, a timeout), so ``close`` must cope with a half-done
+``reset``; a failing ``close`` is logged and recorded on the trajectory, never raised. Any of them may be
+``async``: a worker runs all of them on one event loop (:class:`rlkit.rollout.calls.CallRunner`), so a subprocess
+or client opened in ``reset`` can be used in every ``step`` or tool call and ended in ``close``. The run is given
+the class (or any callable that makes a fresh one; only a class can offer tools); each trajectory gets its own
+instance, so no state is shared.
 """
 
 from __future__ import annotations
@@ -84,41 +86,48 @@ def environment_problems(factory: Any) -> list[str]:
 
 def reset_problems(factory: EnvironmentFactory, fields: dict[str, Any], timeout: float) -> list[str]:
     """Why ``factory`` cannot start an episode on a row of the data: an environment made, reset with the row's
-    ``fields`` and closed (in an event loop of its own, on a thread of its own), within ``timeout`` seconds."""
+    ``fields`` and closed, even after a failed reset (in an event loop of its own, on a thread of its own), within
+    ``timeout`` seconds; a failing close is a problem too, after the reset's."""
     name = getattr(factory, "__qualname__", None) or repr(factory)
-    found: list[str] = []
+    found: list[list[str]] = []
     thread = threading.Thread(target=lambda: found.append(_trial(factory, fields, name)), daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
         return [f"environment {name}: reset(**fields) on the data's first row took longer than agent.call_timeout="
                 f"{timeout:g} s: make it faster, or raise the timeout"]  # fmt: skip
-    return [found[0]] if found[0] else []
+    return found[0]
 
 
-def _trial(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> str:
-    """The problem of making, resetting and closing one environment, in one event loop ("" when there is none)."""
+def _trial(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> list[str]:
+    """The problems of making, resetting and closing one environment, in one event loop."""
     return asyncio.run(_made_reset_closed(factory, fields, name))
 
 
-async def _made_reset_closed(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> str:
+async def _made_reset_closed(factory: EnvironmentFactory, fields: dict[str, Any], name: str) -> list[str]:
     try:
         environment = await _resolved(factory)
     except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported
-        return (f"environment {name}: making one raised {type(exc).__name__}: {exc}; `environment` names a "
+        return [f"environment {name}: making one raised {type(exc).__name__}: {exc}; `environment` names a "
                 "class with reset(self, **fields) and step(self, text), or a function of no arguments returning "
-                "one")  # fmt: skip
+                "one"]  # fmt: skip
     if not callable(getattr(environment, "reset", None)):
-        return f"environment {name}: what it makes ({type(environment).__name__}) has no reset method"
+        return [f"environment {name}: what it makes ({type(environment).__name__}) has no reset method"]
+    problems = []
     try:
         checked_observation(await _resolved(environment.reset, **fields))
-    except Exception as exc:  # noqa: BLE001 - the user's code failing is the problem reported
-        return (f"environment {name}: reset(**fields) on the data's first row raised {type(exc).__name__}: {exc}; "
-                f"the rows have the fields {sorted(fields)}")  # fmt: skip
+    except BaseException as exc:  # noqa: BLE001 - the user's code failing (SystemExit too) is the problem reported
+        problems.append(f"environment {name}: reset(**fields) on the data's first row raised {type(exc).__name__}: "
+                        f"{exc}; the rows have the fields {sorted(fields)}")  # fmt: skip
     close = getattr(environment, "close", None)
-    if callable(close):
-        await _resolved(close)
-    return ""
+    try:
+        if callable(close):
+            await _resolved(close)
+    except BaseException as exc:  # noqa: BLE001 - the user's code failing (SystemExit too) is the problem reported
+        problems.append(f"environment {name}: close() after a reset on the data's first row raised "
+                        f"{type(exc).__name__}: {exc}; close must release what reset opened, even after a failed "
+                        "reset")  # fmt: skip
+    return problems
 
 
 async def _resolved(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

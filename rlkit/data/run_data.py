@@ -7,6 +7,7 @@ fixes a config in one pass and nothing expensive starts on a config that cannot 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 TASK_FIELDS = ["answer"]
 """The fields of the bundled addition task's rows (model="tiny" without data)."""
+logger = logging.getLogger(__name__)
+
 AGENT_TASK_PROMPTS = 4096
 """Prompts of the bundled two-tool task (model="tiny-agent" without data), drawn from the run's seed."""
 
@@ -111,6 +114,7 @@ def load_run_data(
     if prompts is None and not config.data.train_files and config.model == "tiny-agent":
         prompts, tools, reward_fn = _bundled_agent_task(config, tools, environment, reward_fn)
     agent, problems = collect_agent(config, tokenizer, base_dir=base_dir, tools=tools, environment=environment)
+    _warn_of_unknown_tools(config, agent)
     schemas = None if agent is None else agent.schemas
     opens = agent is None or agent.environment is None  # with an environment, the trajectories open the turn
     train, train_report, fields, train_problems = _train_source(config, tokenizer, base_dir, prompts, schemas, opens)
@@ -146,6 +150,20 @@ def _bundled_agent_task(
     tools = tools if tools or environment is not None or config.tools else bundled
     reward_fn = reward_fn if reward_fn is not None or config.rewards else agent_tasks.answer_reward
     return prompts, tools, reward_fn
+
+
+def _warn_of_unknown_tools(config: RLConfig, agent: Agent | None) -> None:
+    """A warning when model="tiny-agent" is given tools it was not pre-trained with: listed beside the calculator
+    or weekday, an unknown tool can stop it calling any (reward 0, nothing to learn from)."""
+    if config.model != "tiny-agent" or agent is None:
+        return
+    unknown = sorted({t.name for t in agent.tools} - {agent_tasks.calculator.__name__, agent_tasks.weekday.__name__})
+    if unknown:
+        logger.warning(
+            "model='tiny-agent' was pre-trained with the calculator and weekday tools only; with %s listed it may "
+            "call no tool at all (reward 0, nothing for RL to raise): train your own tools on a model of your own "
+            "(see the agentic guide, 'The bundled agent')", unknown
+        )
 
 
 def _check_tools_list(tools: Any) -> None:

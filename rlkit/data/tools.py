@@ -134,10 +134,14 @@ def argument_problem(tool: Tool, arguments: dict[str, Any]) -> str:
 
 
 def result_text(value: Any) -> str:
-    """A tool's return value as the text of its tool message (strings as they are, the rest as JSON)."""
+    """A tool's return value as the text of its tool message: strings as they are, None as "" (a tool that only acts;
+    ``rlkit.rollout.actions`` warns once per tool, in case its ``return`` was forgotten), the rest as JSON, else
+    their ``str()``. Raises what that ``str()`` raises."""
     if isinstance(value, str):
         return value
+    if value is None:
+        return ""
     try:
         return json.dumps(value)
-    except TypeError:
+    except (TypeError, ValueError, RecursionError):  # not JSON, circular, too deep
         return str(value)

@@ -67,13 +67,15 @@ class Trajectory:
     """One of ``rlkit.config.agent.FINISH_REASONS``."""
     error: str = ""
     """Why the environment failed ("env_error"), naming the trajectory and turn; "" when it did not."""
+    close_error: str = ""
+    """Why the environment's ``close()`` failed, once the episode was over ("" when it did not, or has none)."""
     drift: str = ""
     """Where the token-in/token-out ids differ from the re-rendered conversation ("" when they agree)."""
 
     def records(self) -> list[dict[str, Any]]:
         """Each turn as plain data (what a run's ``samples/*.jsonl`` keep): its index, the model's text, its tool
         calls (name, arguments, status, result), the observation that answered it, its reward and how it ended;
-        the trajectory's error on its last turn."""
+        the trajectory's error and close error on its last turn."""
         return [
             {
                 "turn": turn.index,
@@ -84,6 +86,7 @@ class Trajectory:
                 "reward": turn.reward,
                 "finish": turn.finish,
                 **({"error": self.error} if self.error and turn is self.turns[-1] else {}),
+                **({"close_error": self.close_error} if self.close_error and turn is self.turns[-1] else {}),
             }
             for turn in self.turns
         ]

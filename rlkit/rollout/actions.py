@@ -4,10 +4,15 @@
 reads next (tool results, or the environment's reply), the environment's reward, and whether the episode is
 over. Failed tool calls become error messages the model reads (the call's status says why); an environment
 that raises or times out ends its trajectory with the error, named by trajectory and turn.
+
+A tool that returns None gives the model an empty result (a tool that only acts needs no return value); the
+worker's log warns once per tool, in case a ``return`` was forgotten. A result whose ``str()`` raises is that
+call's error, naming the tool.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +22,10 @@ from rlkit.data.envs import Environment, EnvStep, checked_step
 from rlkit.data.tools import TOOL_PARSERS, ParsedCall, argument_problem, result_text
 from rlkit.data.trajectories import ToolCall
 from rlkit.rollout.calls import CallRunner, Job, Outcome, call
+
+logger = logging.getLogger(__name__)
+_RETURNED_NONE: set[str] = set()
+"""The tools whose None result was warned about (once per tool and process)."""
 
 
 @dataclass(kw_only=True)
@@ -140,5 +149,15 @@ def _call_record(
     if outcome.timed_out:
         return record("timeout", f"error: {call.name} took longer than {outcome.seconds:g} s", outcome.seconds)
     if outcome.error is not None:
-        return record("error", f"error: {call.name} raised {type(outcome.error).__name__}: {outcome.error}")
-    return record("ok", shorten(result_text(outcome.value)), outcome.seconds)
+        return record("error", f"error: {call.name} raised {type(outcome.error).__name__}: {outcome.error}",
+                      outcome.seconds)  # fmt: skip
+    try:
+        text = result_text(outcome.value)
+    except Exception as exc:  # noqa: BLE001 - the user's result failing to print is that call's error
+        return record("error", f"error: {call.name} returned a {type(outcome.value).__name__} whose str() raised "
+                      f"{type(exc).__name__}: {exc}; return a str", outcome.seconds)  # fmt: skip
+    if outcome.value is None and call.name not in _RETURNED_NONE:
+        _RETURNED_NONE.add(call.name)
+        logger.warning("tool %s returned None: the model reads an empty result; if it should return something, add "
+                       "the missing `return` (return \"\" to silence this)", call.name)  # fmt: skip
+    return record("ok", shorten(text), outcome.seconds)

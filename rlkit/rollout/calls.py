@@ -9,6 +9,11 @@ neither the loop nor the other calls; a turn costs its slowest call, not the sum
 A call still running at the timeout is reported as timed out: an async one is cancelled; a sync one cannot be
 stopped (Python cannot stop a thread), so it runs on in the background (a daemon thread: it does not keep the
 process alive) and its result is dropped; make long-running tools check their own deadline, or make them async.
+An async call that ignores its cancellation is abandoned :data:`GRACE` seconds later, reported as timed out.
+
+Whatever a call raises is that call's error, :class:`BaseException` included (a tool's ``SystemExit``,
+``KeyboardInterrupt``, ``GeneratorExit``, its own ``TimeoutError`` or ``asyncio.CancelledError``): it stops
+neither the loop nor the other calls. Only the run's own cancellation goes through.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from typing import Any
 
 Job = Callable[[], Awaitable[Any]]
 """A call to make: a function returning the coroutine to run (see :func:`call`)."""
+GRACE = 1.0
+"""Seconds past its timeout after which an async call that ignores its cancellation is abandoned."""
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one call did: its value, or the exception it raised, or that it timed out."""
+    """What one call did: its value, or the exception it raised (its own ``TimeoutError`` too), or that it ran past
+    the timeout."""
 
     value: Any = None
     error: BaseException | None = None
@@ -68,10 +76,8 @@ def _on_thread(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> a
         value, error = None, None
         try:
             value = fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the call's failure is its outcome, reported by name
+        except BaseException as exc:  # noqa: BLE001 - the call's failure (SystemExit and the like too) is its outcome
             error = exc
-        except BaseException as exc:  # noqa: BLE001 - SystemExit and the like must not stop the loop: an error
-            error = RuntimeError(f"{type(exc).__name__}: {exc}")
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the loop is closed: nobody waits for this call any more
@@ -103,15 +109,34 @@ class CallRunner:
         self._loop.close()
 
     async def _gather(self, jobs: Sequence[Job], timeout: float) -> list[Outcome]:
-        return list(await asyncio.gather(*(_timed(job, timeout) for job in jobs)))
+        """Each job's outcome; one still running :data:`GRACE` s past the timeout (it ignored its cancellation) is
+        abandoned as timed out."""
+        if not jobs:
+            return []
+        tasks = [asyncio.ensure_future(_timed(job, timeout)) for job in jobs]
+        _, running = await asyncio.wait(tasks, timeout=timeout + GRACE)
+        for task in running:
+            task.cancel()
+        return [Outcome(timed_out=True, seconds=timeout) if task in running else task.result() for task in tasks]
 
 
 async def _timed(job: Job, timeout: float) -> Outcome:
+    """``job``'s outcome within ``timeout`` seconds; whatever it raises is its error, but for the cancellation of
+    the task that runs it (the run's own)."""
     start = time.perf_counter()
+    deadline = asyncio.timeout(timeout)
     try:
-        value = await asyncio.wait_for(job(), timeout)
-    except TimeoutError:
-        return Outcome(timed_out=True, seconds=timeout)
-    except Exception as exc:  # noqa: BLE001 - the call's failure is its outcome, reported by name
+        async with deadline:
+            value = await job()
+    except TimeoutError as exc:
+        if deadline.expired():
+            return Outcome(timed_out=True, seconds=timeout)
+        return Outcome(error=exc, seconds=time.perf_counter() - start)  # the call's own TimeoutError
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # this task is cancelled: not the call's doing
+            raise
+        return Outcome(error=exc, seconds=time.perf_counter() - start)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit and the like of a call are its error, not the loop's end
         return Outcome(error=exc, seconds=time.perf_counter() - start)
     return Outcome(value=value, seconds=time.perf_counter() - start)

@@ -1,32 +1,38 @@
 """An episode's environment around its turns, on the rollout's event loop (:class:`~rlkit.rollout.calls.CallRunner`):
-made and reset (what reset returns is the first observation), and once the trajectory is over its reward asked
-for (``get_reward``) and closed (``close``), each awaited when async."""
+made and reset (what reset returns is the first observation); once the trajectory is over, its reward asked for
+(``get_reward``), and, whatever failed before, closed (``close``); each awaited when async."""
 
 from __future__ import annotations
 
-import logging
+import math
+import numbers
 from typing import Any
 
 from rlkit.data.envs import Environment, EnvironmentFactory, checked_observation
 from rlkit.rollout.calls import call
 
-logger = logging.getLogger(__name__)
 
-
-async def fresh(factory: EnvironmentFactory, fields: dict[str, Any]) -> tuple[Environment, str | None]:
-    """A new environment, reset with ``fields``, and what its reset returned (the first observation, or None)."""
+async def fresh(factory: EnvironmentFactory, fields: dict[str, Any], made: list[Environment]) -> str | None:
+    """What a new environment's reset with ``fields`` returned (the first observation, or None); the environment is
+    appended to ``made`` as soon as it exists, so that it is closed even when its reset fails or times out."""
     environment = await call(factory)
-    return environment, checked_observation(await call(environment.reset, **fields))
+    made.append(environment)
+    return checked_observation(await call(environment.reset, **fields))
 
 
-async def final(environment: Environment, name: str) -> float | None:
-    """``environment.get_reward()`` (None without one), then ``environment.close()``; a failed close is logged
-    (the episode is over), naming the trajectory ``name``."""
-    get_reward, close = getattr(environment, "get_reward", None), getattr(environment, "close", None)
-    reward = await call(get_reward) if callable(get_reward) else None
+async def reward(environment: Environment) -> float | None:
+    """``environment.get_reward()``, checked (None without one). Raises TypeError unless it is a finite number."""
+    get_reward = getattr(environment, "get_reward", None)
+    if not callable(get_reward):
+        return None
+    value = await call(get_reward)
+    if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(value)):
+        raise TypeError(f"get_reward returned {value!r:.60} ({type(value).__name__}): return a finite number, or None")
+    return None if value is None else float(value)
+
+
+async def closed(environment: Environment) -> None:
+    """``environment.close()``, when it has one."""
+    close = getattr(environment, "close", None)
     if callable(close):
-        try:
-            await call(close)
-        except Exception as exc:  # noqa: BLE001 - the episode is over: a failed close is reported, not fatal
-            logger.warning("%s: the environment's close failed: %s: %s", name, type(exc).__name__, exc)
-    return reward
+        await call(close)

@@ -33,7 +33,7 @@ from rlkit.data.trajectories import Trajectory, Turn
 from rlkit.rollout.actions import Reaction, TurnInput, act
 from rlkit.rollout.base import Generation, RolloutEngine, SamplingParams, logprob_prompts
 from rlkit.rollout.calls import CallRunner
-from rlkit.rollout.environments import final, fresh
+from rlkit.rollout.environments import closed, fresh, reward
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ class _Open:
     name: str
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
+    prompt_messages: int = 0
+    """How many of ``messages`` are the prompt's (those after it are the model's turns and the observations)."""
     environment: Environment | None = None
     observation: str | None = None
     """What the environment's reset returned: the first observation, or None."""
@@ -85,6 +87,7 @@ class _Open:
     """Whether every model turn carries the engine's log-probs (asked for whole groups of trajectories)."""
     finish: str = ""
     error: str = ""
+    close_error: str = ""
 
     def extend(self, ids: list[int], *, model: bool, turn: int, logprobs: list[float] | None = None) -> None:
         self.ids += ids
@@ -196,18 +199,22 @@ def _start(
         ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
         for _ in range(n):
             row = first + len(states)
-            states.append(_Open(name=f"trajectory {row}", prompt_ids=ids, messages=list(item.messages)))
+            states.append(_Open(name=f"trajectory {row}", prompt_ids=ids, messages=list(item.messages),
+                                prompt_messages=len(item.messages)))  # fmt: skip
     factory = agent.environment
     if factory is None:
         return states
     fields = [item.fields for item in inputs for _ in range(n)]
-    jobs = [functools.partial(fresh, factory, f) for f in fields]
-    for state, outcome in zip(states, runner.run_all(jobs, agent.limits.call_timeout), strict=True):
+    made: list[list[Environment]] = [[] for _ in fields]  # each environment as soon as it exists, to be closed
+    jobs = [functools.partial(fresh, factory, f, box) for f, box in zip(fields, made, strict=True)]
+    outcomes = runner.run_all(jobs, agent.limits.call_timeout)
+    for state, box, outcome in zip(states, made, outcomes, strict=True):
+        state.environment = box[0] if box else None
         if outcome.failed:
             state.error = f"{state.name}: the environment's reset failed: {outcome.why}"
             state.end("env_error")
         else:
-            state.environment, state.observation = outcome.value
+            state.observation = outcome.value
     return states
 
 
@@ -231,16 +238,25 @@ def _open(states: list[_Open], renderer: ChatRenderer, width: int) -> None:
 
 
 def _finish_environments(states: list[_Open], runner: CallRunner, timeout: float) -> None:
-    """Every environment's ``get_reward()`` (its value joins the last turn's reward; a failure ends the trajectory
-    with env_error) and ``close()`` (a failure is logged), those it has, all at once on the runner's loop."""
-    opened = [(s, s.environment) for s in states if s.environment is not None]
-    outcomes = runner.run_all([functools.partial(final, environment, s.name) for s, environment in opened], timeout)
-    for (state, _), outcome in zip(opened, outcomes, strict=True):
-        if outcome.failed and not state.error:
+    """The ``get_reward()`` of every environment that did not fail (its value joins the last turn's reward; a
+    failure ends the trajectory with env_error), then the ``close()`` of every environment made, whatever failed
+    (a failure is logged and recorded as the trajectory's ``close_error``); each all at once on the runner's loop."""
+    made = [(s, s.environment) for s in states if s.environment is not None]
+    playing = [(s, environment) for s, environment in made if not s.error]
+    asked = runner.run_all([functools.partial(reward, environment) for _, environment in playing], timeout)
+    for (state, _), outcome in zip(playing, asked, strict=True):
+        if outcome.failed:
             state.error = f"{state.name}: the environment's get_reward failed: {outcome.why}"
             state.end("env_error")
         elif outcome.value is not None and state.turns:
-            state.turns[-1].reward += float(outcome.value)
+            state.turns[-1].reward += outcome.value
+    closes = runner.run_all([functools.partial(closed, environment) for _, environment in made], timeout)
+    for (state, _), outcome in zip(made, closes, strict=True):
+        if outcome.failed:
+            state.close_error = f"{state.name}: the environment's close failed: {outcome.why}"
+    failed = [s.close_error for s in states if s.close_error]
+    if failed:  # the episodes are over: reported, never raised over what failed first
+        logger.warning("%d environment(s) failed to close:\n  %s", len(failed), "\n  ".join(failed))
 
 
 def _generate(
@@ -331,10 +347,9 @@ def _append_reaction(
 
 
 def _trajectory(state: _Open, renderer: ChatRenderer) -> Trajectory:
-    drift = renderer.drift(state.messages, state.prompt_ids + state.ids)
-    return Trajectory(
-        messages=state.messages, turns=state.turns, finish_reason=state.finish, error=state.error, drift=drift
-    )
+    drift = renderer.drift(state.messages, state.prompt_ids + state.ids, observations_from=state.prompt_messages)
+    return Trajectory(messages=state.messages, turns=state.turns, finish_reason=state.finish, error=state.error,
+                      drift=drift, close_error=state.close_error)  # fmt: skip
 
 
 def _pack(

@@ -98,15 +98,17 @@ def env_error_failure(batch: Batch) -> str:
 
 
 def failure_summary(batch: Batch) -> str:
-    """A step's failed tool calls by status and failed environments, in one line ("" when none failed); each is
-    named in its rank's log and in ``batch.turns_frame()``."""
+    """A step's failed tool calls by status, failed environments and failed closes, in one line ("" when none
+    failed); each is named in its rank's log (and the calls and environments in ``batch.turns_frame()``)."""
     trajectories = batch.trajectories or []
     statuses = Counter(c.status for t in trajectories for u in t.turns for c in u.calls if c.status != "not_run")
     failed = {s: n for s, n in sorted(statuses.items()) if s != "ok"}
     errors = sum(t.finish_reason == ENV_ERROR for t in trajectories)
-    if not failed and not errors:
+    unclosed = sum(bool(t.close_error) for t in trajectories)
+    if not failed and not errors and not unclosed:
         return ""
     parts = [f"{sum(failed.values())} of {sum(statuses.values())} tool calls failed ("
              + ", ".join(f"{n} {s}" for s, n in failed.items()) + ")"] if failed else []  # fmt: skip
     parts += [f"{errors} of {len(trajectories)} environments failed"] if errors else []
+    parts += [f"{unclosed} of {len(trajectories)} environments failed to close"] if unclosed else []
     return "; ".join(parts) + ": details in the rank logs and batch.turns_frame()"
