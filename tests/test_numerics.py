@@ -8,6 +8,8 @@ import torch
 
 from tests.numerics import adamw_first_step_tolerance, assert_close
 
+pytestmark = pytest.mark.numeric
+
 
 def test_a_failure_names_the_tensor_the_furthest_element_and_its_tolerance():
     expected = torch.zeros(3, 4, dtype=torch.float64)

@@ -109,12 +109,12 @@ def actor_adapters() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster = rlkit.launch(world_size=2, device="cpu")
-    yield cluster
-    cluster.shutdown()
+def cluster(cpu_cluster):
+    """The session's 2-rank CPU cluster (tests/conftest.py), not one launched for this module."""
+    return cpu_cluster
 
 
+@pytest.mark.numeric
 def test_forward_backward_and_optim_step_equal_the_one_process_reference(cluster):
     client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
     cluster.run(set_adapters, start_adapters())

@@ -50,10 +50,9 @@ def post(server, path: str, body: dict, key: str) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster = rlkit.launch(world_size=2, device="cpu")
-    yield cluster
-    cluster.shutdown()
+def cluster(cpu_cluster):
+    """The session's 2-rank CPU cluster (tests/conftest.py), not one launched for this module."""
+    return cpu_cluster
 
 
 @pytest.fixture(scope="module")
