@@ -40,9 +40,11 @@ test-fast: $(VENV)/.dev
 # The numeric tests (optimizer steps against references, sharded against unsharded, bf16, the Tinker numerics) again
 # with ATen's scalar and AVX2 kernels, which round differently from the AVX-512 ones: a tolerance that holds on one
 # CPU only fails here, not on a user's machine. The suite above ran them with the machine's own.
+# Only the files that mark such tests are collected (collecting all of tests/ takes most of a minute on 2 cores).
+NUMERIC_TESTS = $(shell grep -lE '^(pytestmark = |@)pytest\.mark\.numeric' tests/test_*.py)
 test-numeric: $(VENV)/.dev
-	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m "numeric and not gpu" tests
-	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m "numeric and not gpu" tests
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m "numeric and not gpu" $(NUMERIC_TESTS)
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m "numeric and not gpu" $(NUMERIC_TESTS)
 
 # The site, strictly: a warning (a broken link, a missing reference, a notebook without outputs) fails it.
 docs: $(VENV)/.dev $(EXECUTED)/.executed
