@@ -39,7 +39,8 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, *, atol: float | tor
     raise AssertionError(
         f"{name}: {int(out.sum())} of {diff.numel()} elements differ beyond the tolerance; the furthest at "
         f"{list(index)}: got {got64[index].item():.9g}, expected {expected64[index].item():.9g}, difference "
-        f"{diff[index].item():.3g}, tolerance there {tolerance[index].item():.3g}")
+        f"{diff[index].item():.3g}, tolerance there {tolerance[index].item():.3g}"
+    )
 
 
 def adamw_first_step_tolerance(grad: torch.Tensor, *, lr: float, eps: float, grad_error: float) -> torch.Tensor:

@@ -69,7 +69,8 @@ def test_the_lock_pins_each_package_of_make_test_within_pyprojects_range():
         name = canonicalize_name(requirement.name)
         assert name in pins, f"scripts/constraints.txt lacks {name} ({requirement}): run make lock"
         assert requirement.specifier.contains(pins[name], prereleases=True), (
-            f"scripts/constraints.txt pins {name}=={pins[name]}, outside pyproject's {requirement}: run make lock")
+            f"scripts/constraints.txt pins {name}=={pins[name]}, outside pyproject's {requirement}: run make lock"
+        )
 
 
 def test_the_lock_holds_the_makefiles_own_pins_and_what_it_removes():
