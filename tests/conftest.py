@@ -147,6 +147,7 @@ FAST_MODULES = {
     "test_cli.py",  # cli
     "test_tinker_losses.py", "test_tinker_server.py",  # Tinker's losses, rlkit.serving with the real SDK
     "test_docstrings.py",  # the API reference's examples
+    "test_numerics.py", "test_install.py",  # the tests' numeric helpers, the locked install
 }  # fmt: skip
 TOO_SLOW_FOR_FAST = {  # seconds each took in the fast run on 2 shared cores
     "test_each_run_keeps_everything_in_its_folder",  # 163: test_cli's `runs` fixture, three `rlkit train` runs

@@ -105,6 +105,7 @@ def model_dir(tmp_path_factory) -> str:
     return save_model_dir(small_model(), tmp_path_factory.mktemp("small"))
 
 
+@pytest.mark.numeric
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("version", [2, 1])
 def test_sharded_update_equals_unsharded_reference(cluster, model_dir, version):

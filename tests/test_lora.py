@@ -235,6 +235,7 @@ def _fsdp2_grad_dtypes(model: torch.nn.Module) -> set[str]:
     return {str(g._orig_dtype) for g in groups if any(p.sharded_param.requires_grad for p in g.fsdp_params)}
 
 
+@pytest.mark.numeric
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("version", [2, 1])
 def test_lora_in_the_gpus_dtypes_after_the_reference_pass(cluster, model_dir, version):

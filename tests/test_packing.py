@@ -62,6 +62,7 @@ def test_logprobs_entropy_and_gradients_match_the_plain_padded_path(tiny, paddin
         torch.testing.assert_close(param.grad, expected[name], atol=2e-6, rtol=1e-4, msg=name)
 
 
+@pytest.mark.numeric
 def test_weights_after_adamw_match(tiny):
     """Held as the sharded tests hold them: entries of noise-level gradient to within 2 lr."""
     from role_runs import assert_adam_step_matches

@@ -19,10 +19,9 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster = rlkit.launch(world_size=2, device="cpu")
-    yield cluster
-    cluster.shutdown()
+def cluster(cpu_cluster):
+    """The session's 2-rank CPU cluster (tests/conftest.py), not one launched for this module."""
+    return cpu_cluster
 
 
 def test_the_cookbooks_math_rl_recipe_trains_and_checkpoints_on_rlkits_server(cluster, tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ import torch
 from rlkit.algos.tinker_losses import tinker_token_loss
 from rlkit.data.datum import Datum, datum_problems, pad_data
 
+pytestmark = pytest.mark.numeric
+
 LOGP = torch.tensor([[-1.0, -2.0, -0.5]])
 SAMPLED = torch.tensor([[-1.5, -2.0, -0.1]])  # ratios e^0.5 = 1.6487, 1, e^-0.4 = 0.6703
 ADV = torch.tensor([[2.0, -1.0, 3.0]])

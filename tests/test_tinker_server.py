@@ -16,7 +16,17 @@ import pytest
 import torch
 
 import rlkit
-from tests.test_primitives import ADAM, LORA, actor_adapters, data, reference_step, set_adapters, start_adapters
+from tests.numerics import assert_close
+from tests.test_primitives import (
+    ADAM,
+    LORA,
+    actor_adapters,
+    assert_adapters_equal_reference,
+    data,
+    reference_step,
+    set_adapters,
+    start_adapters,
+)
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("peft")
@@ -40,10 +50,9 @@ def post(server, path: str, body: dict, key: str) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster = rlkit.launch(world_size=2, device="cpu")
-    yield cluster
-    cluster.shutdown()
+def cluster(cpu_cluster):
+    """The session's 2-rank CPU cluster (tests/conftest.py), not one launched for this module."""
+    return cpu_cluster
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +82,9 @@ def test_the_sdks_forward_backward_and_optim_step_equal_the_reference(training, 
     assert is_future.result().metrics["loss:sum"] == pytest.approx(ref["is_loss"], rel=1e-5)
     outputs = ce_future.result().loss_fn_outputs + is_future.result().loss_fn_outputs
     for got, expected in zip(outputs, ref["ce_logp"] + ref["is_logp"], strict=True):
-        torch.testing.assert_close(got["logprobs"].to_torch(), expected, rtol=1e-5, atol=1e-5)
+        assert_close(got["logprobs"].to_torch(), expected, rtol=1e-5, atol=1e-5, name="log-probs")
     assert step.metrics["grad_norm"] == pytest.approx(ref["norm"], rel=1e-5)
-    got, start = cluster.run(actor_adapters)[0], start_adapters()
-    assert got.keys() == ref["adapters"].keys()
-    for name, expected in ref["adapters"].items():
-        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)
-        assert not torch.allclose(expected, start[name]), f"{name}: the step did not move it"
+    assert_adapters_equal_reference(cluster.run(actor_adapters)[0], ref)
 
 
 def test_the_sdks_sampling_client_samples_the_saved_weights_with_the_trainers_log_probs(training):
