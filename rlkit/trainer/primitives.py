@@ -31,18 +31,22 @@ from rlkit import diagnostics
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.data.datum import Datum, datum_problems, pad_data
 from rlkit.models import load_tokenizer, resolve_model_dir
+from rlkit.models.loading import model_limits
 from rlkit.rollout import SamplingParams
 from rlkit.rollout.stops import StopSequences
 from rlkit.runtime import PerRank, RoleGroup, RoleOwner
 from rlkit.runtime.cluster import Cluster
+from rlkit.runtime.errors import RemoteError
 from rlkit.trainer.checkpoints import written_in_place
-from rlkit.workers.primitives import AdamStep, OptimResult, PrimitivesWorker
+from rlkit.workers.primitives import AdamStep, DataRefused, OptimResult, PeerRefused, PrimitivesWorker
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STATE_META = "client.json"
-"""In a save_state folder: the model directory, the LoRA rank and the optimizer steps taken."""
+"""In a save_state folder: the model directory, the LoRA settings and the optimizer steps taken."""
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_modules_to_save")
+"""The LoRA settings a save_state folder records and load_state compares (the adapters' shapes and scale)."""
 
 
 @dataclass
@@ -87,6 +91,7 @@ class TrainingClient:
         self.cluster = cluster
         self.model_dir = resolve_model_dir(self.config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=self.config.trust_remote_code)
+        self.limits = model_limits(self.model_dir)
         self.owner = RoleOwner("TrainingClient", hint="Build a new rlkit.TrainingClient to train again.")
         self._role = RoleGroup(cluster, PrimitivesWorker, self.config, str(self.model_dir), owner=self.owner)
         self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlkit-primitives")
@@ -139,11 +144,18 @@ class TrainingClient:
         if not 1 <= len(prompt) <= self.config.max_prompt_tokens:
             problems.append(f"prompt of {len(prompt)} tokens: give 1 to max_prompt_tokens="
                             f"{self.config.max_prompt_tokens}")  # fmt: skip
+        bad = [i for i, t in enumerate(prompt) if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            problems.append(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary (0 to "
+                            f"{self.limits.vocab_size - 1})")  # fmt: skip
         if not 1 <= num_samples <= self.config.max_samples:
             problems.append(f"num_samples={num_samples}: give 1 to max_samples={self.config.max_samples}")
-        if max_tokens < 1 or temperature <= 0 or not 0 < top_p <= 1:
-            problems.append(f"max_tokens={max_tokens}, temperature={temperature}, top_p={top_p}: need max_tokens >= 1,"
-                            " temperature > 0, 0 < top_p <= 1")  # fmt: skip
+        room = self.limits.context - len(prompt)
+        if not 1 <= max_tokens <= room:
+            problems.append(f"max_tokens={max_tokens}: give 1 to {room} (the model's context of "
+                            f"{self.limits.context} positions less the prompt's {len(prompt)} tokens)")  # fmt: skip
+        if not (temperature > 0 and 0 < top_p <= 1):
+            problems.append(f"temperature={temperature}, top_p={top_p}: need temperature > 0, 0 < top_p <= 1")
         if problems:
             raise ValueError("sample: " + "; ".join(problems))
         params = SamplingParams(n=num_samples, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -196,7 +208,7 @@ class TrainingClient:
     # -- on the queue's thread --------------------------------------------------------------------
 
     def _check(self, data: Sequence[Datum], loss_fn: str) -> None:
-        problems = datum_problems(data, loss_fn)
+        problems = datum_problems(data, loss_fn, self.limits.vocab_size, self.limits.context)
         if problems:
             raise ValueError(f"{len(problems)} problem(s) in the data:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -208,7 +220,13 @@ class TrainingClient:
         rows = pad_data(data, loss_fn, share * world)
         shares = [rows.rows(r * share, (r + 1) * share) for r in range(world)]
         config = dict(loss_fn_config) if loss_fn_config is not None else None
-        results = self._role.call(PrimitivesWorker.forward_backward, PerRank(shares), loss_fn, config, backward)
+        try:
+            results = self._role.call(PrimitivesWorker.forward_backward, PerRank(shares), loss_fn, config, backward)
+        except RemoteError as err:
+            refusal = _refusal(err, world)
+            if refusal is None:
+                raise
+            raise refusal from None
         logprobs = [lp for result in results for lp in result.logprobs]
         return ForwardBackwardOutput(logprobs=logprobs, metrics={"loss:sum": sum(r.loss_sum for r in results)})
 
@@ -226,7 +244,7 @@ class TrainingClient:
         path.parent.mkdir(parents=True, exist_ok=True)
         with written_in_place(path) as partial:
             self._role.call(PrimitivesWorker.save_state, str(partial))
-            meta = {"model": str(self.model_dir), "lora_rank": self.config.lora.rank, "step": self._step}
+            meta = {"model": str(self.model_dir), **self._lora_meta(), "step": self._step}
             (partial / STATE_META).write_text(json.dumps(meta))
         return path
 
@@ -234,13 +252,20 @@ class TrainingClient:
         if not (path / STATE_META).is_file():
             raise ValueError(f"{path}: not a folder written by save_state (no {STATE_META})")
         meta = json.loads((path / STATE_META).read_text())
-        problems = [f"{key}={meta[key]!r} there, {mine!r} here" for key, mine in
-                    (("model", str(self.model_dir)), ("lora_rank", self.config.lora.rank)) if meta[key] != mine]
+        mine = {"model": str(self.model_dir), **self._lora_meta()}
+        problems = [f"{key}={meta.get(key)!r} there, {value!r} here" for key, value in mine.items()
+                    if meta.get(key) != value]  # fmt: skip
         if problems:
             raise ValueError(f"load_state {path}: a checkpoint of another client (" + "; ".join(problems) +
-                             "); load it into a TrainingClient with that model and LoRA rank")  # fmt: skip
+                             "); load it into a TrainingClient with that model and those LoRA settings")  # fmt: skip
         self._role.call(PrimitivesWorker.load_state, str(path), optimizer, int(meta["step"]))
         self._step = int(meta["step"])
+
+    def _lora_meta(self) -> dict[str, object]:
+        """This client's LoRA settings as a save_state folder records them (:data:`LORA_KEYS`)."""
+        lora = self.config.lora
+        return dict(zip(LORA_KEYS, (lora.rank, float(lora.alpha), lora.target_modules, list(lora.modules_to_save)),
+                        strict=True))  # fmt: skip
 
     def _sample(self, prompt: list[int], params: SamplingParams, stops: StopSequences) -> list[SampledSequence]:
         world = self.cluster.world_size
@@ -257,6 +282,16 @@ class TrainingClient:
         trainer = [lp[len(prompt) - 1:] for lp in scored.logprobs]
         self._samples.append(_SampleRecord(prompt, sequences, trainer, self._sampler_step, self._step))
         return sequences
+
+
+def _refusal(err: RemoteError, world_size: int) -> ValueError | None:
+    """The ranks' refusal of their data as one ValueError (their reasons, no remote traceback), when that is what
+    ``err`` is: every rank raised before its first forward (see ``PrimitivesWorker._agree``)."""
+    kinds = {f.exc_type for f in err.failures}
+    if len(err.failures) != world_size or not kinds <= {DataRefused.__name__, PeerRefused.__name__}:
+        return None
+    return ValueError("forward_backward: the data breaks the model's limits: "
+                      + "; ".join(f.message for f in err.failures if f.exc_type == DataRefused.__name__))
 
 
 def _scoring_datum(prompt: list[int], completion: list[int]) -> Datum:
