@@ -12,6 +12,9 @@ from rlkit.models.lora import apply_lora, is_adapter_param
 pytest.importorskip("peft")
 
 LORA = rlkit.LoraConfig(rank=4, alpha=8.0)
+ADAPTER_ATOL = 1e-4
+"""1% of the step: AdamW's first step moves each element by about lr = 1e-2, whatever its gradient, so an element
+whose gradient is near eps turns rounding (a different order of the same sums) into up to ~1e-4 of movement."""
 ADAM = rlkit.AdamStep(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5)
 
 
@@ -116,7 +119,7 @@ def test_forward_backward_and_optim_step_equal_the_one_process_reference(cluster
     assert got.keys() == ref["adapters"].keys()
     start = start_adapters()
     for name, expected in ref["adapters"].items():
-        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=ADAPTER_ATOL, msg=name)
         assert not torch.allclose(expected, start[name]), f"{name}: the step did not move it"
     norms = client.grad_norms()
     assert norms.global_norm == pytest.approx(ref["norm"], rel=1e-5)

@@ -16,7 +16,16 @@ import pytest
 import torch
 
 import rlkit
-from tests.test_primitives import ADAM, LORA, actor_adapters, data, reference_step, set_adapters, start_adapters
+from tests.test_primitives import (
+    ADAM,
+    ADAPTER_ATOL,
+    LORA,
+    actor_adapters,
+    data,
+    reference_step,
+    set_adapters,
+    start_adapters,
+)
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("peft")
@@ -78,7 +87,7 @@ def test_the_sdks_forward_backward_and_optim_step_equal_the_reference(training, 
     got, start = cluster.run(actor_adapters)[0], start_adapters()
     assert got.keys() == ref["adapters"].keys()
     for name, expected in ref["adapters"].items():
-        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=ADAPTER_ATOL, msg=name)
         assert not torch.allclose(expected, start[name]), f"{name}: the step did not move it"
 
 

@@ -135,7 +135,9 @@ class TrainingClient:
         :meth:`save_weights_for_sampler`). The trainer's log-probs of each completion are kept for :meth:`rollouts`.
 
         ``stop``: token ids or strings that end a completion besides end-of-text; it ends with the first one, which
-        it keeps (:class:`rlkit.rollout.stops.StopSequences`)."""
+        it keeps (:class:`rlkit.rollout.stops.StopSequences`). An empty list: nothing but ``max_tokens`` ends it,
+        end-of-text included (Tinker's ``stop=[]``). ``max_tokens`` may use what the model's context leaves after
+        the prompt."""
         problems = []
         try:
             stops = StopSequences.parse(stop, len(self.tokenizer))
@@ -159,7 +161,8 @@ class TrainingClient:
         if problems:
             raise ValueError("sample: " + "; ".join(problems))
         params = SamplingParams(n=num_samples, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=self.config.seed if seed is None else seed)  # fmt: skip
+                                seed=self.config.seed if seed is None else seed,
+                                stop_at_eos=stop is None or isinstance(stop, str) or len(stop) > 0)  # fmt: skip
         return self._submit(lambda: self._sample(list(prompt), params, stops))
 
     def save_state(self, path: str | Path) -> Future[Path]:
