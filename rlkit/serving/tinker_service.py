@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,15 +21,19 @@ from typing import Any
 
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.runtime.cluster import Cluster
+from rlkit.runtime.errors import RemoteError
 from rlkit.serving import tinker_wire
 from rlkit.serving.futures import PendingRequests, Reply, failed, then
-from rlkit.serving.tinker_models import SamplingSession, ServedModels
-from rlkit.trainer.primitives import TrainingClient
+from rlkit.serving.tinker_models import SamplingSession, ServedModel, ServedModels
+from rlkit.trainer.primitives import SampledSequence, TrainingClient, saved_lora
 from rlkit.workers.primitives import AdamStep
 
 logger = logging.getLogger(__name__)
 
 API = "/api/v1/"
+UNSERVED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
+                          "prompt_alt_tokens_k")  # fmt: skip
+"""SampleRequest fields rlkit refuses by name when set."""
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,  # the per-run API key is checked on every request; no JWT exchange
     "use_pyqwest_transport": False,
@@ -124,7 +129,7 @@ class TinkerService:
         if body.get("optimizer_config", {}).get("type", "adamw") != "adamw":
             raise ValueError(f"optimizer_config={body['optimizer_config']}: rlkit serves AdamW only")
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        created = self._builder.submit(self.models.create, model_id, body["base_model"], int(lora["rank"]),
+        created = self._builder.submit(self.models.create, model_id, body["base_model"], {"rank": int(lora["rank"])},
                                        lora.get("seed"))  # fmt: skip
         return self._queued(then(created, lambda m: json_reply({"model_id": m.model_id, "type": "create_model"})),
                             model_id=model_id)  # fmt: skip
@@ -184,10 +189,11 @@ class TinkerService:
         return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
 
     def _load_weights(self, body: dict[str, Any]) -> Reply:
-        """Tinker's ``load_state`` (``optimizer``: ``load_state_with_optimizer``) onto an existing model."""
+        """Tinker's ``load_state`` (``optimizer``: ``load_state_with_optimizer``) onto an existing model; without a
+        ``model_id``, ``create_training_client_from_state[_with_optimizer]``: a new model with the state's LoRA
+        settings, then the load."""
         if not body.get("model_id"):
-            raise ValueError("load_weights without a model_id (create_training_client_from_state): not served; "
-                             "create_lora_training_client with the same rank, then load_state(path)")  # fmt: skip
+            return self._create_from_state(body)
         model = self.models.model(body["model_id"])
 
         def start() -> Future[Reply]:
@@ -197,6 +203,23 @@ class TinkerService:
 
         return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
 
+    def _create_from_state(self, body: dict[str, Any]) -> Reply:
+        """A training client built from a ``save_state`` folder (the load is its first call, before seq_id 1)."""
+        if body.get("optimizer_config") and body["optimizer_config"].get("type", "adamw") != "adamw":
+            raise ValueError(f"optimizer_config={body['optimizer_config']}: rlkit serves AdamW only")
+        model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
+        folder = self.models.state_folder(body["path"])
+        lora = saved_lora(folder)
+        base_model = body.get("base_model") or self.models.base_model
+
+        def build() -> ServedModel:
+            model = self.models.create(model_id, base_model, lora, None)
+            model.client.load_state(folder, optimizer=bool(body["optimizer"])).result()
+            return model
+
+        answer = {"path": body["path"], "model_id": model_id, "type": "load_weights"}
+        return self._queued(then(self._builder.submit(build), lambda _: json_reply(answer)), model_id=model_id)
+
     def _asample(self, body: dict[str, Any]) -> Reply:
         session = self.models.session(body["sampling_session_id"])
         model = self.models.model(session.model_id)
@@ -204,11 +227,18 @@ class TinkerService:
             raise ValueError(f"sampling session {body['sampling_session_id']} samples the weights of save "
                              f"{session.save}, but save {model.saves} has been queued since: rlkit's sampler holds "
                              "only the latest saved weights; sample with the newest sampling client")  # fmt: skip
+        unserved = [k for k in UNSERVED_SAMPLE_FIELDS if body.get(k)]
+        if unserved:
+            raise ValueError(f"{', '.join(unserved)}: not served; rlkit returns the sampled tokens' log-probs and, "
+                             "with prompt_logprobs (compute_logprobs), the prompt's")  # fmt: skip
         prompt, num = _prompt_tokens(body["prompt"]), int(body.get("num_samples", 1))
         kwargs = _sampling_kwargs(body.get("sampling_params", {}))
-        future = model.client.sample(prompt, num, **kwargs)
-        reply = then(future, lambda seqs: Reply(200, tinker_wire.encode_sample_response(
-            [(s.tokens, s.logprobs, s.stop_reason) for s in seqs]), tinker_wire.PROTO))  # fmt: skip
+        sampled = model.client.sample(prompt, num, **kwargs)
+        reply = then(sampled, lambda seqs: _sample_reply(seqs, None))
+        if body.get("prompt_logprobs"):
+            last_n = body.get("prompt_logprobs_last_n")
+            scored = model.client.prompt_logprobs(prompt)  # queued after the sample: ``sampled`` is done first
+            reply = then(scored, lambda lps: _sample_reply(sampled.result(), _prompt_row(lps, last_n)))
         request_id = self.pending.add(reply)
         return json_reply({"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(num)]})
 
@@ -223,8 +253,11 @@ class TinkerService:
             return json_reply({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         except Exception as exc:  # noqa: BLE001 - the request's failure, handed to the client
             category = "user" if isinstance(exc, ValueError) else "server"
-            logger.info("Tinker request %s failed: %s", request_id, exc)
-            reply = json_reply({"error": f"{type(exc).__name__}: {exc}", "category": category})
+            if category == "user":
+                logger.info("Tinker request %s refused: %s", request_id, exc)
+            else:  # the whole story (remote tracebacks, log folders) stays in the server's log
+                logger.error("Tinker request %s failed", request_id, exc_info=exc)
+            reply = json_reply({"error": client_message(exc), "category": category})
         self.pending.delivered(request_id)
         return reply
 
@@ -261,6 +294,35 @@ class TinkerService:
     def close(self) -> None:
         self._builder.shutdown(wait=True)
         self.models.close()
+
+
+def client_message(exc: Exception) -> str:
+    """What a client is told of a failed call: the user's own error in full; of a server-side failure the exception
+    and its first line (each rank's, for a worker error), no remote traceback, stacks or server paths."""
+    if isinstance(exc, ValueError):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, RemoteError):
+        return "; ".join(f"rank {f.rank} raised {f.exc_type}: {f.message.splitlines()[0] if f.message else ''}"
+                         for f in exc.failures)  # fmt: skip
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first} (details in the server's log)"
+
+
+def _sample_reply(sequences: list[SampledSequence], prompt_logprobs: list[float] | None) -> Reply:
+    body = tinker_wire.encode_sample_response([(s.tokens, s.logprobs, s.stop_reason) for s in sequences],
+                                              prompt_logprobs)  # fmt: skip
+    return Reply(200, body, tinker_wire.PROTO)
+
+
+def _prompt_row(logprobs: list[float], last_n: int | None) -> list[float]:
+    """Tinker's prompt log-probs: NaN (the SDK's None) for the first token and, with ``last_n``, every token before
+    the last ``last_n``."""
+    row = [math.nan] + logprobs
+    if last_n is not None:
+        if not 1 <= int(last_n) < len(row):
+            raise ValueError(f"prompt_logprobs_last_n={last_n}: give 1 to len(prompt) - 1 = {len(row) - 1}")
+        row[: len(row) - int(last_n)] = [math.nan] * (len(row) - int(last_n))
+    return row
 
 
 def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:

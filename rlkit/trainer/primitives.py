@@ -98,6 +98,9 @@ class TrainingClient:
         self._samples: list[_SampleRecord] = []
         self._step = 0
         self._sampler_step = 0
+        self._trainer_is_sampler = True
+        """No optimizer step or load_state since the sampler's weights were last synced (the engine starts with the
+        actor's)."""
 
     def _submit(self, fn: Callable[[], T]) -> Future[T]:
         return self._queue.submit(fn)
@@ -164,6 +167,22 @@ class TrainingClient:
                                 seed=self.config.seed if seed is None else seed,
                                 stop_at_eos=stop is None or isinstance(stop, str) or len(stop) > 0)  # fmt: skip
         return self._submit(lambda: self._sample(list(prompt), params, stops))
+
+    def prompt_logprobs(self, prompt: Sequence[int]) -> Future[list[float]]:
+        """Queue the log-prob of each token of ``prompt`` after the first, given the tokens before it, under the
+        sampler's weights ([len(prompt) - 1] floats; Tinker's ``compute_logprobs`` less its leading None). The trainer
+        computes them, so they fail with a ValueError when the trainer's weights are no longer the sampler's (an
+        optimizer step or a load_state since the last :meth:`save_weights_for_sampler`)."""
+        problems = []
+        if not 2 <= len(prompt) <= self.limits.context:
+            problems.append(f"prompt of {len(prompt)} tokens: give 2 to the model's context of {self.limits.context}")
+        bad = [i for i, t in enumerate(prompt) if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            problems.append(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary (0 to "
+                            f"{self.limits.vocab_size - 1})")  # fmt: skip
+        if problems:
+            raise ValueError("prompt_logprobs: " + "; ".join(problems))
+        return self._submit(lambda: self._prompt_logprobs(list(prompt)))
 
     def save_state(self, path: str | Path) -> Future[Path]:
         """Queue a checkpoint of the adapters and AdamW's moments (Tinker's ``save_state``) into the folder ``path``,
@@ -234,13 +253,14 @@ class TrainingClient:
         return ForwardBackwardOutput(logprobs=logprobs, metrics={"loss:sum": sum(r.loss_sum for r in results)})
 
     def _optim_step(self, adam: AdamStep) -> OptimResult:
+        self._trainer_is_sampler = False
         result = self._role.call(PrimitivesWorker.optim_step, adam)[0]
         self._step = result.step
         return result
 
     def _sync(self) -> int:
         loaded = self._role.call(PrimitivesWorker.sync_engine)[0]
-        self._sampler_step = self._step
+        self._sampler_step, self._trainer_is_sampler = self._step, True
         return loaded
 
     def _save_state(self, path: Path) -> Path:
@@ -261,8 +281,18 @@ class TrainingClient:
         if problems:
             raise ValueError(f"load_state {path}: a checkpoint of another client (" + "; ".join(problems) +
                              "); load it into a TrainingClient with that model and those LoRA settings")  # fmt: skip
+        self._trainer_is_sampler = False
         self._role.call(PrimitivesWorker.load_state, str(path), optimizer, int(meta["step"]))
         self._step = int(meta["step"])
+
+    def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        if not self._trainer_is_sampler:
+            raise ValueError("prompt log-probs: the trainer's weights have moved since the last "
+                             "save_weights_for_sampler, and rlkit computes them with the trainer; save the weights "
+                             "for the sampler (save_weights_and_get_sampling_client) and ask that sampler")  # fmt: skip
+        datum = Datum(tokens=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:], "weights": [0.0] *
+                                                          (len(prompt) - 1)})  # fmt: skip
+        return self._forward([datum], "cross_entropy", None, backward=False).logprobs[0].tolist()
 
     def _lora_meta(self) -> dict[str, object]:
         """This client's LoRA settings as a save_state folder records them (:data:`LORA_KEYS`)."""
@@ -285,6 +315,16 @@ class TrainingClient:
         trainer = [lp[len(prompt) - 1:] for lp in scored.logprobs]
         self._samples.append(_SampleRecord(prompt, sequences, trainer, self._sampler_step, self._step))
         return sequences
+
+
+def saved_lora(path: Path) -> dict[str, object]:
+    """The LoRA settings a :meth:`TrainingClient.save_state` folder was saved with, as LoraConfig fields (ValueError
+    for a folder save_state did not write)."""
+    meta_file = path / STATE_META
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    if any(key not in meta for key in LORA_KEYS):
+        raise ValueError(f"{path.name}: not a folder written by save_state (no LoRA settings in its {STATE_META})")
+    return {key.removeprefix("lora_"): meta[key] for key in LORA_KEYS}
 
 
 def _refusal(err: RemoteError, world_size: int) -> ValueError | None:
