@@ -148,13 +148,13 @@ class TinkerService:
 
     def _optim_step(self, body: dict[str, Any]) -> Reply:
         model = self.models.model(body["model_id"])
-        params = body.get("adam_params")
-        if params is None:
-            raise ValueError(f"optimizer_params={body.get('optimizer_params')}: rlkit's optim_step is AdamW; send "
-                             "AdamParams")  # fmt: skip
-        adam = AdamStep(**{k: float(v) for k, v in params.items() if k != "type"})
 
-        def start() -> Future[Reply]:
+        def start() -> Future[Reply]:  # checked in its turn, so a refusal still gives the turn up
+            params = body.get("adam_params")
+            if params is None:
+                raise ValueError(f"optimizer_params={body.get('optimizer_params')}: rlkit's optim_step is AdamW; send "
+                                 "AdamParams")  # fmt: skip
+            adam = AdamStep(**{k: float(v) for k, v in params.items() if k != "type"})
             return then(model.client.optim_step(adam),
                         lambda r: json_reply({"metrics": {"grad_norm": r.grad_norm, "step": float(r.step)}}))
 

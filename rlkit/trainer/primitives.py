@@ -273,13 +273,13 @@ class TrainingClient:
 
     def _load_state(self, path: Path, optimizer: bool) -> None:
         if not (path / STATE_META).is_file():
-            raise ValueError(f"{path}: not a folder written by save_state (no {STATE_META})")
+            raise ValueError(f"{path.name}: not a folder written by save_state (no {STATE_META})")
         meta = json.loads((path / STATE_META).read_text())
         mine = {"model": str(self.model_dir), **self._lora_meta()}
         problems = [f"{key}={meta.get(key)!r} there, {value!r} here" for key, value in mine.items()
                     if meta.get(key) != value]  # fmt: skip
         if problems:
-            raise ValueError(f"load_state {path}: a checkpoint of another client (" + "; ".join(problems) +
+            raise ValueError(f"load_state {path.name}: a checkpoint of another client (" + "; ".join(problems) +
                              "); load it into a TrainingClient with that model and those LoRA settings")  # fmt: skip
         self._trainer_is_sampler = False
         self._role.call(PrimitivesWorker.load_state, str(path), optimizer, int(meta["step"]))
@@ -330,11 +330,11 @@ def saved_lora(path: Path) -> dict[str, object]:
 def _refusal(err: RemoteError, world_size: int) -> ValueError | None:
     """The ranks' refusal of their data as one ValueError (their reasons, no remote traceback), when that is what
     ``err`` is: every rank raised before its first forward (see ``PrimitivesWorker._agree``)."""
-    kinds = {f.exc_type for f in err.failures}
-    if len(err.failures) != world_size or not kinds <= {DataRefused.__name__, PeerRefused.__name__}:
+    kinds = [f.exc_type.rsplit(".", 1)[-1] for f in err.failures]  # the workers name the class with its module
+    if len(err.failures) != world_size or not set(kinds) <= {DataRefused.__name__, PeerRefused.__name__}:
         return None
-    return ValueError("forward_backward: the data breaks the model's limits: "
-                      + "; ".join(f.message for f in err.failures if f.exc_type == DataRefused.__name__))
+    return ValueError("forward_backward: the data breaks the model's limits: " + "; ".join(
+        f.message for f, kind in zip(err.failures, kinds, strict=True) if kind == DataRefused.__name__))
 
 
 def _scoring_datum(prompt: list[int], completion: list[int]) -> Datum:
