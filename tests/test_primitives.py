@@ -233,8 +233,8 @@ def test_bad_data_is_refused_on_the_controller_and_a_bad_share_fails_every_rank_
     nan = rlkit.Datum(tokens=[5, 6], loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, float("nan")]})
     with pytest.raises(ValueError, match=r"datum 0: loss_fn_inputs\['weights'\]\[1\] = nan: every value must be"):
         client.forward_backward([nan], "cross_entropy")
-    with pytest.raises(ValueError, match="datum 0: 65 tokens, more than the model's context of 64"):
-        client.forward_backward([ce_datum(list(range(65)), list(range(65)))], "cross_entropy")
+    with pytest.raises(ValueError, match="datum 0: 129 tokens, more than the model's context of 128"):
+        client.forward_backward([ce_datum(list(range(129)), list(range(129)))], "cross_entropy")
     # past the controller's check (as a caller of the workers could be): rank 1's share holds the bad id
     started = time.monotonic()
     with pytest.raises(ValueError) as err:
@@ -315,12 +315,12 @@ def test_save_state_before_the_first_step_leaves_that_step_as_it_was(cluster, tm
 def test_sample_refuses_ids_outside_the_vocabulary_and_max_tokens_beyond_the_context(cluster):
     client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
     prompt = [5, 17, 42, 9]
-    for max_tokens in (61, 100_000, 2 * 10**7):
-        with pytest.raises(ValueError, match=f"max_tokens={max_tokens}: give 1 to 60 .the model's context of 64"):
+    for max_tokens in (125, 100_000, 2 * 10**7):
+        with pytest.raises(ValueError, match=f"max_tokens={max_tokens}: give 1 to 124 .the model's context of 128"):
             client.sample(prompt, 1, max_tokens=max_tokens)
     with pytest.raises(ValueError, match=r"prompt\[1\] = 300 is outside the vocabulary"):
         client.sample([5, 300], 1)
-    assert len(client.sample(prompt, 1, max_tokens=60, seed=0, stop=[]).result()[0].tokens) == 60
+    assert len(client.sample(prompt, 1, max_tokens=124, seed=0, stop=[]).result()[0].tokens) == 124
 
 
 def test_an_empty_stop_list_ends_completions_at_max_tokens_only_end_of_text_included(cluster):

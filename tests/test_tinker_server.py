@@ -238,7 +238,7 @@ def test_the_sdks_sampler_stops_nowhere_with_an_empty_stop_list_and_computes_pro
     with pytest.raises(Exception, match="topk_prompt_logprobs: not served"):
         sampler.sample(model_input, 1, tinker.types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
                        topk_prompt_logprobs=3).result()  # fmt: skip
-    with pytest.raises(Exception, match="max_tokens=100000: give 1 to 59"):
+    with pytest.raises(Exception, match="max_tokens=100000: give 1 to 123"):
         sampler.sample(model_input, 1, tinker.types.SamplingParams(max_tokens=100_000)).result()
 
 
