@@ -235,6 +235,7 @@ def test_the_sdks_sampler_stops_nowhere_with_an_empty_stop_list_and_computes_pro
     torch.testing.assert_close(torch.tensor(got[1:]), trainer.to_torch(), rtol=1e-5, atol=1e-5)
     last = sampler.compute_logprobs(model_input, prompt_logprobs_last_n=2).result()
     assert last[:3] == [None] * 3 and last[3:] == pytest.approx(got[3:], abs=1e-6)
+    assert sampler.compute_logprobs(tinker.types.ModelInput.from_ints([5])).result() == [None]
     with pytest.raises(Exception, match="topk_prompt_logprobs: not served"):
         sampler.sample(model_input, 1, tinker.types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
                        topk_prompt_logprobs=3).result()  # fmt: skip

@@ -235,7 +235,9 @@ class TinkerService:
         kwargs = _sampling_kwargs(body.get("sampling_params", {}))
         sampled = model.client.sample(prompt, num, **kwargs)
         reply = then(sampled, lambda seqs: _sample_reply(seqs, None))
-        if body.get("prompt_logprobs"):
+        if body.get("prompt_logprobs") and len(prompt) == 1:  # nothing before the one token: no log-prob
+            reply = then(sampled, lambda seqs: _sample_reply(seqs, [math.nan]))
+        elif body.get("prompt_logprobs"):
             last_n = body.get("prompt_logprobs_last_n")
             scored = model.client.prompt_logprobs(prompt)  # queued after the sample: ``sampled`` is done first
             reply = then(scored, lambda lps: _sample_reply(sampled.result(), _prompt_row(lps, last_n)))
