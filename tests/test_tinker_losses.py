@@ -84,7 +84,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_datum_field_and
         "datum 3: loss_fn_inputs['target_tokens'][1] = 300 is outside the vocabulary (0 to 256)",
     ]
     assert datum_problems([ce([1.5, 2], [2, 3], [1.0, 1.0])], "cross_entropy", 257, 64) == [
-        "datum 0: tokens holds non-integer values; token ids are integers"]
+        "datum 0: tokens holds non-integer values; token ids are integers"
+    ]
 
 
 def test_sequences_longer_than_the_context_and_non_finite_floats_are_refused():

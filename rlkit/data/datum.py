@@ -118,8 +118,10 @@ def _id_problems(i: int, name: str, ids: torch.Tensor, vocab_size: int) -> list[
     if len(bad) == 0:
         return []
     first = int(bad[0, 0])
-    return [f"datum {i}: {name}[{first}] = {ids[first].item()} is outside the vocabulary (0 to {vocab_size - 1})"
-            + (f", and {len(bad) - 1} more ids" if len(bad) > 1 else "")]
+    return [
+        f"datum {i}: {name}[{first}] = {ids[first].item()} is outside the vocabulary (0 to {vocab_size - 1})"
+        + (f", and {len(bad) - 1} more ids" if len(bad) > 1 else "")
+    ]
 
 
 def rows_problems(rows: DatumRows, vocab_size: int, context: int) -> list[str]:
