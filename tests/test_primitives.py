@@ -2,6 +2,8 @@
 losses, per-datum log-probs and the adapters after AdamW equal the reference's; the sampler samples the saved
 weights, and its log-probs of the sampled tokens are the trainer's."""
 
+import time
+
 import pytest
 import torch
 
@@ -13,6 +15,9 @@ from tests.numerics import GRAD_ERROR_OF_NORM, adamw_first_step_tolerance, asser
 pytest.importorskip("peft")
 
 LORA = rlkit.LoraConfig(rank=4, alpha=8.0)
+ADAPTER_ATOL = 1e-4
+"""1% of the step: AdamW's first step moves each element by about lr = 1e-2, whatever its gradient, so an element
+whose gradient is near eps turns rounding (a different order of the same sums) into up to ~1e-4 of movement."""
 ADAM = rlkit.AdamStep(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5)
 
 
@@ -218,3 +223,142 @@ def test_load_state_restores_the_saved_adapters_and_adamw_so_the_next_step_repea
     wider = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=rlkit.LoraConfig(rank=8, alpha=8.0)))
     with pytest.raises(ValueError, match="lora_rank=4 there, 8 here"):
         wider.load_state(saved).result()
+    louder = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=rlkit.LoraConfig(rank=4, alpha=16.0)))
+    with pytest.raises(ValueError, match="lora_alpha=8.0 there, 16.0 here"):
+        louder.load_state(saved).result()
+    narrower = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(
+        lora=rlkit.LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"])))  # fmt: skip
+    with pytest.raises(ValueError, match=r"lora_target_modules='all-linear' there, \['q_proj'\] here"):
+        narrower.load_state(saved).result()
+
+
+def ce_datum(tokens: list[int], targets: list[int]) -> rlkit.Datum:
+    return rlkit.Datum(tokens=tokens, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(tokens)})
+
+
+def test_bad_data_is_refused_on_the_controller_and_a_bad_share_fails_every_rank_at_once(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    with pytest.raises(ValueError, match=r"datum 0: tokens\[1\] = 257 is outside the vocabulary \(0 to 256\)"):
+        client.forward_backward([ce_datum([5, 257], [6, 7])], "cross_entropy")
+    with pytest.raises(ValueError, match=r"datum 1: loss_fn_inputs\['target_tokens'\]\[0\] = -3 is outside"):
+        client.forward([ce_datum([5], [6]), ce_datum([5], [-3])], "cross_entropy")
+    nan = rlkit.Datum(tokens=[5, 6], loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, float("nan")]})
+    with pytest.raises(ValueError, match=r"datum 0: loss_fn_inputs\['weights'\]\[1\] = nan: every value must be"):
+        client.forward_backward([nan], "cross_entropy")
+    with pytest.raises(ValueError, match="datum 0: 129 tokens, more than the model's context of 128"):
+        client.forward_backward([ce_datum(list(range(129)), list(range(129)))], "cross_entropy")
+    # past the controller's check (as a caller of the workers could be): rank 1's share holds the bad id
+    started = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        client._forward([ce_datum([5, 6], [6, 7]), ce_datum([5, 6], [6, 10**6])], "cross_entropy", None, True)
+    assert time.monotonic() - started < 10  # not a hang_timeout: no rank waited in a collective
+    assert str(err.value) == ("forward_backward: the data breaks the model's limits: rank 1's share: row 0: "
+                              "target_tokens outside the vocabulary (0 to 256)")  # fmt: skip
+    assert "Traceback" not in str(err.value) and "File " not in str(err.value)
+    ce, _ = data()
+    assert client.forward_backward(ce, "cross_entropy").result(timeout=60).loss > 0  # the cluster still serves
+    assert client.optim_step(ADAM).result(timeout=60).step == 1
+
+
+def record_head_calls() -> None:
+    """On a worker: log each call of the actor's LM head (scoring or plain logits, rows scored) from now on."""
+    from rlkit.models.head import ResponseHead, response_head
+    from rlkit.runtime import local_instance
+    from rlkit.workers.primitives import PrimitivesWorker
+
+    head = response_head(local_instance(PrimitivesWorker).actor.model)
+    calls = head.calls = []
+
+    def forward(hidden):
+        calls.append((head._request is not None, len(head._request.rows) if head._request else hidden.shape[:-1]))
+        return ResponseHead.forward(head, hidden)
+
+    head.forward = forward
+
+
+def head_calls() -> list:
+    from rlkit.models.head import response_head
+    from rlkit.runtime import local_instance
+    from rlkit.workers.primitives import PrimitivesWorker
+
+    head = response_head(local_instance(PrimitivesWorker).actor.model)
+    calls = head.calls
+    del head.forward, head.calls
+    return calls
+
+
+def test_forward_backward_scores_through_the_fused_head_one_micro_batch_at_a_time(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA, micro_batch_size=2))
+    cluster.run(set_adapters, start_adapters())
+    ce, is_ = data()
+    batch = ce + [ce_datum(list(d.tokens), d.loss_fn_inputs["target_tokens"]) for d in is_[:2]]  # 5 data: 3 rows
+    # per rank (rank 1: two data and a padding row), 2 micro-batches each
+    cluster.run(record_head_calls)
+    out = client.forward(batch, "cross_entropy").result()
+    calls = cluster.run(head_calls)
+    lengths = [len(d.tokens) for d in batch]
+    assert calls[0] == [(True, lengths[0] + lengths[1]), (True, lengths[2])]  # only real positions, never [b, N, V]
+    assert calls[1] == [(True, lengths[3] + lengths[4]), (True, 0)]
+    model = apply_lora_model()
+    model.load_state_dict(start_adapters(), strict=False)
+    for got, datum in zip(out.logprobs, batch, strict=True):  # one sequence at a time, unfused, no padding
+        torch.testing.assert_close(got, reference_logprobs(model, datum).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_save_state_before_the_first_step_leaves_that_step_as_it_was(cluster, tmp_path):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    early = client.save_state(tmp_path / "early")  # AdamW has no state yet
+    ce, is_ = data()
+    client.forward_backward(ce, "cross_entropy")
+    client.forward_backward(is_, "importance_sampling")
+    assert client.optim_step(ADAM).result().step == 1
+    ref = reference_step()["adapters"]
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        torch.testing.assert_close(tensor, ref[name], rtol=1e-4, atol=ADAPTER_ATOL, msg=name)
+    client.load_state(early.result(), optimizer=True).result()  # a state of step 0: no moments to restore
+    client.forward_backward(ce, "cross_entropy")
+    client.forward_backward(is_, "importance_sampling")
+    assert client.optim_step(ADAM).result().step == 1
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        torch.testing.assert_close(tensor, ref[name], rtol=1e-4, atol=ADAPTER_ATOL, msg=name)
+
+
+def test_sample_refuses_ids_outside_the_vocabulary_and_max_tokens_beyond_the_context(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    prompt = [5, 17, 42, 9]
+    for max_tokens in (125, 100_000, 2 * 10**7):
+        with pytest.raises(ValueError, match=f"max_tokens={max_tokens}: give 1 to 124 .the model's context of 128"):
+            client.sample(prompt, 1, max_tokens=max_tokens)
+    with pytest.raises(ValueError, match=r"prompt\[1\] = 300 is outside the vocabulary"):
+        client.sample([5, 300], 1)
+    assert len(client.sample(prompt, 1, max_tokens=124, seed=0, stop=[]).result()[0].tokens) == 124
+
+
+def test_an_empty_stop_list_ends_completions_at_max_tokens_only_end_of_text_included(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    prompt, eos = [5, 17, 42, 9], client.tokenizer.eos_token_id
+    default = client.sample(prompt, 8, max_tokens=12, seed=4).result()
+    assert any(s.stop_reason == "stop" and s.tokens[-1] == eos and len(s.tokens) < 12 for s in default)
+    unstopped = client.sample(prompt, 8, max_tokens=12, seed=4, stop=[]).result()
+    for stopped, whole in zip(default, unstopped, strict=True):  # the same draws, past the end-of-text
+        assert len(whole.tokens) == 12 and whole.stop_reason == "length"
+        assert whole.tokens[: len(stopped.tokens)] == stopped.tokens
+        assert whole.logprobs[: len(stopped.tokens)] == pytest.approx(stopped.logprobs, abs=1e-6)
+
+
+def test_prompt_logprobs_are_the_samplers_and_refused_once_the_trainer_moved_on(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    prompt = [5, 17, 42, 9, 100]
+    got = client.prompt_logprobs(prompt).result()
+    model = apply_lora_model()
+    model.load_state_dict(start_adapters(), strict=False)
+    expected = reference_logprobs(model, ce_datum(prompt[:-1], prompt[1:])).detach()
+    torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-5)
+    client.forward_backward(data()[0], "cross_entropy")
+    client.optim_step(ADAM)
+    with pytest.raises(ValueError, match="the trainer's weights have moved since the last save_weights_for_sampler"):
+        client.prompt_logprobs(prompt).result()
+    client.save_weights_for_sampler()
+    assert client.prompt_logprobs(prompt).result() != got

@@ -8,6 +8,7 @@ import http.client
 import importlib
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import rlkit
+from rlkit.models.loading import model_limits
 from rlkit.serving import futures, sessions, tinker_http, tinker_models
 from rlkit.trainer.primitives import ForwardBackwardOutput, SampledSequence, TrainingClient
 from rlkit.workers.primitives import OptimResult
@@ -45,6 +47,8 @@ class StubClient(TrainingClient):
         self.config, self.cluster = config, cluster
         self.model_dir = rlkit.models.resolve_model_dir(config.model)
         self.tokenizer = rlkit.models.load_tokenizer(self.model_dir)
+        self.limits = model_limits(self.model_dir)
+        self._trainer_is_sampler = True
         self._role = StubRole()
         self._queue = ThreadPoolExecutor(max_workers=1)
         self._samples, self._step, self._sampler_step = [], 0, 0
@@ -244,7 +248,8 @@ def test_every_endpoint_answers_malformed_requests_with_a_4xx_json_error_and_kee
         "load_weights": {"model_id": model_id, "seq_id": 10**6, "path": "tinker://x/weights/s", "optimizer": True},
         "create_sampling_session": {"session_id": session_id, "sampling_session_seq_id": 1, "base_model": "tiny"},
         "asample": {"sampling_session_id": "s", "num_samples": 1, "prompt": {"chunks": [{"tokens": [1, 2]}]},
-                    "sampling_params": {"max_tokens": 2, "temperature": 1.0, "seed": 1, "stop": ["a"]}},
+                    "sampling_params": {"max_tokens": 2, "temperature": 1.0, "seed": 1, "stop": ["a"]},
+                    "prompt_logprobs": True, "prompt_logprobs_last_n": 1},
         "retrieve_future": {"request_id": "req-1"},
         "telemetry": {"events": []},
         "client/config": {},
@@ -398,6 +403,38 @@ def test_retrieve_future_answers_again_after_the_first_answer(server):
     assert result(server, request_id) == first
 
 
+def test_a_training_client_from_state_loads_only_a_signed_state_and_only_for_the_training_session(server):
+    """create_training_client_from_state (load_weights with a session, no model_id) goes through the same confined,
+    signature-checked folders as load_state, and claims the training client as create_model does."""
+    owner, other = session(server), session(server)
+    model_id = model(server, owner)
+    body = request(server, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "a"})[1]
+    path = result(server, body["request_id"])["path"]
+
+    def from_state(session_id: str, seq: int, state_path: str) -> tuple[int, dict]:
+        status, body, _ = request(server, "load_weights", {"session_id": session_id, "model_seq_id": seq,
+                                  "path": state_path, "optimizer": True})  # fmt: skip
+        return status, result(server, body["request_id"]) if status == 200 else body
+
+    status, answer = from_state(other, 0, path)
+    assert status == 409 and f"session {owner} is training on this server" in answer["error"]
+    root = server.service.models.states.root
+    shutil.copytree(root / model_id.replace(":", "_") / "a", root / model_id.replace(":", "_") / "copied")
+    for bad, why in ((f"tinker://{model_id}/weights/copied", "not written by this server"),
+                     (f"tinker://{model_id}/weights/../a", "give a tinker://"), (str(root), "give a tinker://"),
+                     (f"tinker://{model_id}/weights/none", "no state saved under that path")):  # fmt: skip
+        status, answer = from_state(owner, 1, bad)
+        assert status == 400 and why in answer["error"] and str(root) not in answer["error"], (bad, answer)
+    valid = {"session_id": owner, "model_seq_id": 2, "path": path, "optimizer": True, "base_model": "tiny",
+             "optimizer_config": {"type": "adamw"}}  # fmt: skip
+    for bad in [*malformed_bodies("load_weights", valid), {**valid, "session_id": "../x"}, {"path": path}]:
+        status, answer, _ = request(server, "load_weights", bad)
+        assert 400 <= status < 500 and answer["error"], (bad, answer)
+    status, answer = from_state(owner, 1, path)
+    assert status == 200 and answer["model_id"] == f"{owner}:train:1", answer
+    assert server.service.models.current().model_id == f"{owner}:train:1"
+
+
 def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer_and_runs_once(server):
     model_id = model(server, session(server))
     headers = {"X-Idempotency-Key": "stainless-python-retry-1"}
@@ -457,7 +494,9 @@ def test_close_finishes_the_running_call_cancels_the_queued_ones_and_ends_keep_a
     assert keep_alive.getresponse().read()
     closing = threading.Thread(target=server.close)
     closing.start()
-    time.sleep(0.5)
+    waited = time.monotonic()  # the HTTP loop stops first (up to its 0.5 s poll), then the queued call is cancelled
+    while not server.service.pending.get(queued).cancelled() and time.monotonic() - waited < 10:
+        time.sleep(0.05)
     client.gate.set()
     closing.join(10)
     assert not closing.is_alive()

@@ -3,6 +3,7 @@ AdamW step equal the plain-torch reference of tests/test_primitives.py; the samp
 weights with the trainer's log-probs; wrong keys and unserved endpoints are refused at once; loopback only."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -62,9 +63,14 @@ def server(cluster):
 
 
 @pytest.fixture(scope="module")
-def training(server, cluster):
+def service(server):
+    """The SDK's session that owns the training client (another live session's create_model is refused)."""
+    return tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+
+
+@pytest.fixture(scope="module")
+def training(service, cluster):
     """The SDK's LoRA training client on the server, its adapters set to the reference's start."""
-    service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
     client = service.create_lora_training_client(base_model="tiny", rank=LORA.rank, seed=0).result()
     cluster.run(set_adapters, start_adapters())
     return client
@@ -268,3 +274,90 @@ def test_a_second_sessions_training_client_is_refused_with_the_reason_while_the_
     assert time.monotonic() - started < 10  # refused at once, not retried
     other.close("success").result(timeout=30)
     assert training.forward([to_tinker(data()[0][0])], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+
+
+def test_bad_data_and_adam_parameters_are_refused_by_name_at_once_and_later_calls_still_run(training):
+    bad = {"tokens[1] = 257 is outside the vocabulary": rlkit.Datum(tokens=[5, 257], loss_fn_inputs={
+               "target_tokens": [6, 7], "weights": [1.0, 1.0]}),
+           "loss_fn_inputs['target_tokens'][0] = -1 is outside": rlkit.Datum(tokens=[5, 6], loss_fn_inputs={
+               "target_tokens": [-1, 7], "weights": [1.0, 1.0]}),
+           "loss_fn_inputs['weights'][1] = nan": rlkit.Datum(tokens=[5, 6], loss_fn_inputs={
+               "target_tokens": [6, 7], "weights": [1.0, float("nan")]})}  # fmt: skip
+    started = time.monotonic()
+    for message, datum in bad.items():
+        with pytest.raises(Exception, match=re.escape(f"datum 0: {message}")) as err:
+            training.forward_backward([to_tinker(datum)], "cross_entropy").result(timeout=30)
+        assert "Traceback" not in str(err.value) and "/rlkit/" not in str(err.value)
+    with pytest.raises(Exception, match=r"learning_rate=-1.0: must be positive and finite"):
+        training.optim_step(tinker.types.AdamParams(learning_rate=-1.0)).result(timeout=30)
+    assert time.monotonic() - started < 30  # answered at once: no rank waited in a collective, no SDK retries
+    fb = training.forward_backward([to_tinker(d) for d in data()[0]], "cross_entropy").result(timeout=60)
+    assert fb.metrics["loss:sum"] > 0
+    step = training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+    assert step.metrics["grad_norm"] > 0
+
+
+def test_a_worker_failure_reaches_the_client_without_remote_tracebacks_or_server_paths():
+    from rlkit.runtime.errors import RankFailure, RemoteError
+    from rlkit.serving.tinker_service import client_message
+
+    trace = 'Traceback (most recent call last):\n  File "/srv/rlkit/workers/primitives.py", line 9\nIndexError: x'
+    error = RemoteError([RankFailure(1, "host", "cpu", "IndexError", "index 300 is out of bounds", trace),
+                         RankFailure(0, "host", "cpu", "RuntimeError", "gloo: connection closed\nmore", trace)])
+    assert client_message(error) == ("rank 0 raised RuntimeError: gloo: connection closed; rank 1 raised IndexError: "
+                                     "index 300 is out of bounds")  # fmt: skip
+    assert client_message(ValueError("datum 0: bad")) == "ValueError: datum 0: bad"
+
+
+def test_the_sdks_sampler_stops_nowhere_with_an_empty_stop_list_and_computes_prompt_logprobs(training):
+    prompt = [5, 17, 42, 9, 100]
+    sampler = training.save_weights_and_get_sampling_client().result()
+    model_input = tinker.types.ModelInput.from_ints(prompt)
+    default = sampler.sample(model_input, 8, tinker.types.SamplingParams(max_tokens=12, seed=4)).result().sequences
+    assert any(s.stop_reason == "stop" and len(s.tokens) < 12 for s in default)
+    unstopped = sampler.sample(model_input, 8, tinker.types.SamplingParams(max_tokens=12, seed=4, stop=[])).result()
+    assert all(len(s.tokens) == 12 and s.stop_reason == "length" for s in unstopped.sequences)
+    got = sampler.compute_logprobs(model_input).result()
+    datum = rlkit.Datum(tokens=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:], "weights": [1.0] * 4})
+    trainer = training.forward([to_tinker(datum)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    assert got[0] is None and len(got) == len(prompt)
+    torch.testing.assert_close(torch.tensor(got[1:]), trainer.to_torch(), rtol=1e-5, atol=1e-5)
+    last = sampler.compute_logprobs(model_input, prompt_logprobs_last_n=2).result()
+    assert last[:3] == [None] * 3 and last[3:] == pytest.approx(got[3:], abs=1e-6)
+    assert sampler.compute_logprobs(tinker.types.ModelInput.from_ints([5])).result() == [None]
+    with pytest.raises(Exception, match="topk_prompt_logprobs: not served"):
+        sampler.sample(model_input, 1, tinker.types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
+                       topk_prompt_logprobs=3).result()  # fmt: skip
+    with pytest.raises(Exception, match="max_tokens=100000: give 1 to 123"):
+        sampler.sample(model_input, 1, tinker.types.SamplingParams(max_tokens=100_000)).result()
+
+
+def test_the_sdks_create_training_client_from_state_with_and_without_optimizer(service, training, cluster):
+    """Last: each new training client replaces the one before on the cluster (in the session that owns it)."""
+    adam = tinker.types.AdamParams(learning_rate=1e-2)
+    ce, is_ = ([to_tinker(d) for d in part] for part in data())
+    training.forward_backward(ce, "cross_entropy")
+    training.optim_step(adam)
+    saved = training.save_state("to-resume").result().path
+    at_save = cluster.run(actor_adapters)[0]
+    training.forward_backward(is_, "importance_sampling")
+    first = training.optim_step(adam).result().metrics
+    after_first = cluster.run(actor_adapters)[0]
+    resumed = service.create_training_client_from_state_with_optimizer(saved).result()
+    assert resumed.get_info().lora_rank == LORA.rank
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        assert torch.equal(tensor, at_save[name]), name
+    resumed.forward_backward(is_, "importance_sampling")
+    again = resumed.optim_step(adam).result().metrics
+    assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-6) and again["step"] == first["step"]
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        torch.testing.assert_close(tensor, after_first[name], rtol=1e-6, atol=1e-7, msg=name)
+    fresh = service.create_training_client_from_state(saved).result()  # weights only: a fresh AdamW
+    for name, tensor in cluster.run(actor_adapters)[0].items():
+        assert torch.equal(tensor, at_save[name]), name
+    fresh.forward_backward(is_, "importance_sampling")
+    fresh.optim_step(adam).result()
+    moved = cluster.run(actor_adapters)[0]
+    assert any(not torch.allclose(moved[n], after_first[n], rtol=1e-4, atol=1e-6) for n in moved)
+    with pytest.raises(Exception, match="no state saved under that path"):
+        service.create_training_client_from_state(saved + "-missing").result()

@@ -31,6 +31,9 @@ class PrimitivesConfig:
     """The longest prompt ``sample`` accepts (vLLM sizes its context for it)."""
     max_samples: int = 16
     """The most sequences one ``sample`` call asks for (vLLM batches up to it)."""
+    micro_batch_size: int = 8
+    """Data per forward pass on each rank in ``forward``/``forward_backward`` (gradients add up over the passes):
+    the activations held at once. The LM head never holds [data, tokens, vocabulary] logits, whatever the size."""
     trust_remote_code: bool = False
     """Let transformers run the model directory's own code."""
 
@@ -47,4 +50,5 @@ class PrimitivesConfig:
         need(p, self.lora.enabled, f"lora.rank={self.lora.rank}: a training client trains LoRA adapters, e.g. 8")
         need(p, self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
         need(p, self.max_samples >= 1, f"max_samples={self.max_samples}: must be >= 1")
+        need(p, self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: must be >= 1, e.g. 8")
         return p + self.lora.problems() + self.fsdp.problems() + self.rollout.problems()

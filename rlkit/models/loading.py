@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,25 @@ def resolve_model_dir(model: str) -> Path:
             f"model={model!r}: no config.json there; give a local Hugging Face model directory or 'tiny'"
         )
     return path
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model takes: token ids in [0, ``vocab_size``), sequences of at most ``context`` positions."""
+
+    vocab_size: int
+    context: int
+
+
+def model_limits(model_dir: Path) -> ModelLimits:
+    """The limits a model directory's config.json states (``vocab_size``, ``max_position_embeddings``; a
+    multimodal config's ``text_config``); ValueError when it states neither."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = {**config.get("text_config", {}), **config}
+    if not isinstance(text.get("vocab_size"), int) or not isinstance(text.get("max_position_embeddings"), int):
+        raise ValueError(f"{model_dir}/config.json states no vocab_size and max_position_embeddings: rlkit cannot "
+                         "check token ids and lengths against this model")  # fmt: skip
+    return ModelLimits(text["vocab_size"], text["max_position_embeddings"])
 
 
 def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False):

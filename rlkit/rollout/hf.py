@@ -50,7 +50,7 @@ class HFEngine:
         )
         response = sequences[:, prompt_ids.shape[1] :]
         logprobs = recorder.result(response)
-        mask, finished = _response_mask(response, self.eos_token_id)
+        mask, finished = _response_mask(response, self.eos_token_id if params.stop_at_eos else None)
         width = params.max_new_tokens
         return Generation(
             response_ids=_pad_to(response.masked_fill(mask == 0, self.pad_token_id), width, self.pad_token_id).long(),
@@ -77,7 +77,7 @@ class HFEngine:
             **sampling,
             max_new_tokens=params.max_new_tokens,
             min_new_tokens=params.min_new_tokens,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_id if params.stop_at_eos else None,
             pad_token_id=self.pad_token_id,
         )
 
@@ -130,9 +130,10 @@ class _SampledLogprobs:
         return torch.stack(picked, dim=1)
 
 
-def _response_mask(response: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, t] ids -> ([N, t] float mask through the first end-of-text, [N] bool whether it was emitted)."""
-    is_eos = response == eos_token_id
+def _response_mask(response: torch.Tensor, eos_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, t] ids -> ([N, t] float mask through the first end-of-text, [N] bool whether it was emitted); None: no
+    token ends a completion."""
+    is_eos = response == eos_token_id if eos_token_id is not None else torch.zeros_like(response, dtype=torch.bool)
     finished = is_eos.any(dim=1)
     first = torch.where(finished, is_eos.float().argmax(dim=1), response.shape[1])
     positions = torch.arange(response.shape[1], device=response.device)

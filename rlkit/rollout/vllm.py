@@ -193,7 +193,8 @@ class VLLMEngine:
 
     def _sampling_settings(self, params: SamplingParams) -> dict[str, Any]:
         return dict(n=params.n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-                    min_tokens=params.min_new_tokens, stop_token_ids=[self.eos_token_id], detokenize=False)
+                    min_tokens=params.min_new_tokens, stop_token_ids=[self.eos_token_id] if params.stop_at_eos else [],
+                    ignore_eos=not params.stop_at_eos, detokenize=False)
 
     def effective_sampling(self, params: SamplingParams) -> dict[str, object]:
         """The settings of :data:`~rlkit.rollout.base.LOGIT_SETTINGS` in the SamplingParams generate builds for

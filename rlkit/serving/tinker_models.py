@@ -7,6 +7,7 @@ import dataclasses
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.models import resolve_model_dir
@@ -57,13 +58,15 @@ class ServedModels:
         model = self.target.config.model if isinstance(self.target, TrainingClient) else self.config.model
         return Path(model).name
 
-    def create(self, model_id: str, base_model: str, rank: int, seed: int | None) -> ServedModel:
-        """A new training client for Tinker's ``create_model`` (on the cluster: builds the roles, seconds)."""
+    def create(self, model_id: str, base_model: str, lora: dict[str, Any], seed: int | None) -> ServedModel:
+        """A new training client for Tinker's ``create_model`` (on the cluster: builds the roles, seconds), its
+        adapters the served config's but for ``lora``'s settings (LoraConfig fields: ``create_model``'s rank, or all
+        of a saved state's)."""
         if isinstance(self.target, TrainingClient):
-            client, owned = self._given_client(base_model, rank), False
+            client, owned = self._given_client(base_model, lora), False
         else:
-            lora = dataclasses.replace(self.config.lora, rank=rank)
-            config = dataclasses.replace(self.config, model=_local_model(base_model, self.config.model), lora=lora,
+            config = dataclasses.replace(self.config, model=_local_model(base_model, self.config.model),
+                                         lora=dataclasses.replace(self.config.lora, **lora),
                                          seed=self.config.seed if seed is None else seed)  # fmt: skip
             client, owned = TrainingClient(self.target, config), True
         model = ServedModel(model_id, base_model, client, owned)
@@ -73,7 +76,7 @@ class ServedModels:
             self._models[model_id], self._current = model, model_id
         return model
 
-    def _given_client(self, base_model: str, rank: int) -> TrainingClient:
+    def _given_client(self, base_model: str, lora: dict[str, Any]) -> TrainingClient:
         assert isinstance(self.target, TrainingClient)
         client, problems = self.target, []
         if self._models:
@@ -81,8 +84,9 @@ class ServedModels:
                             f"{self._current}; serve a cluster to create several")  # fmt: skip
         if resolve_model_dir(_local_model(base_model, client.config.model)) != client.model_dir:
             problems.append(f"base_model={base_model!r}: the served client trains {self.base_model!r}")
-        if rank != client.config.lora.rank:
-            problems.append(f"lora rank={rank}: the served client's adapters have rank {client.config.lora.rank}")
+        served = client.config.lora
+        problems += [f"lora {key}={value!r}: the served client's adapters have {key}={getattr(served, key)!r}"
+                     for key, value in lora.items() if getattr(served, key) != value]  # fmt: skip
         if problems:
             raise ValueError("create_model: " + "; ".join(problems))
         return client

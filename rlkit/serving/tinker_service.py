@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -21,6 +22,7 @@ from typing import Any
 
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.runtime.cluster import Cluster
+from rlkit.runtime.errors import RemoteError
 from rlkit.serving import tinker_states, tinker_wire
 from rlkit.serving.futures import (
     KEEP_DELIVERED_S,
@@ -33,14 +35,17 @@ from rlkit.serving.futures import (
     then,
 )
 from rlkit.serving.sessions import Sessions
-from rlkit.serving.tinker_models import SamplingSession, ServedModels
+from rlkit.serving.tinker_models import SamplingSession, ServedModel, ServedModels
 from rlkit.serving.tinker_requests import json_object, shape_problems
-from rlkit.trainer.primitives import TrainingClient
+from rlkit.trainer.primitives import SampledSequence, TrainingClient, saved_lora
 from rlkit.workers.primitives import AdamStep
 
 logger = logging.getLogger(__name__)
 
 API = "/api/v1/"
+UNSERVED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
+                          "prompt_alt_tokens_k")  # fmt: skip
+"""SampleRequest fields rlkit refuses by name when set."""
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,  # the per-run API key is checked on every request; no JWT exchange
     "use_pyqwest_transport": False,
@@ -134,9 +139,9 @@ class TinkerService:
             logger.exception("Tinker %s %s failed", method, path)
             return error_reply(500, f"{path}: the server failed on this request (its log has the traceback)")
 
-    def _public(self, exc: BaseException) -> str:
-        """The text of ``exc`` without this machine's state folder."""
-        return str(exc).replace(str(self.models.states.root), "<state_dir>")
+    def _public(self, text: object) -> str:
+        """``text`` (an exception, a message) without this machine's state folder."""
+        return str(text).replace(str(self.models.states.root), "<state_dir>")
 
     def _unsupported(self, method: str, path: str, payload: Any) -> Reply:
         """A named refusal; a refused training call still takes its ``seq_id`` turn so later calls do not wait."""
@@ -169,7 +174,7 @@ class TinkerService:
             raise ValueError(f"optimizer_config={body['optimizer_config']}: rlkit serves AdamW only")
         model_id = tinker_states.model_id(body["session_id"], body["model_seq_id"])
         self.sessions.claim_training(body["session_id"])
-        created = self._builder.submit(self.models.create, model_id, body["base_model"], int(lora["rank"]),
+        created = self._builder.submit(self.models.create, model_id, body["base_model"], {"rank": int(lora["rank"])},
                                        lora.get("seed"))  # fmt: skip
         return self._queued(then(created, lambda m: json_reply({"model_id": m.model_id, "type": "create_model"})),
                             model_id=model_id)  # fmt: skip
@@ -188,13 +193,13 @@ class TinkerService:
 
     def _optim_step(self, body: dict[str, Any]) -> Reply:
         model = self.models.model(body["model_id"])
-        params = body.get("adam_params")
-        if params is None:
-            raise ValueError(f"optimizer_params={body.get('optimizer_params')}: rlkit's optim_step is AdamW; send "
-                             "AdamParams")  # fmt: skip
-        adam = AdamStep(**{k: float(v) for k, v in params.items() if k != "type"})
 
-        def start() -> Future[Reply]:
+        def start() -> Future[Reply]:  # checked in its turn, so a refusal still gives the turn up
+            params = body.get("adam_params")
+            if params is None:
+                raise ValueError(f"optimizer_params={body.get('optimizer_params')}: rlkit's optim_step is AdamW; send "
+                                 "AdamParams")  # fmt: skip
+            adam = AdamStep(**{k: float(v) for k, v in params.items() if k != "type"})
             return then(model.client.optim_step(adam),
                         lambda r: json_reply({"metrics": {"grad_norm": r.grad_norm, "step": float(r.step)}}))
 
@@ -234,10 +239,11 @@ class TinkerService:
         return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
 
     def _load_weights(self, body: dict[str, Any]) -> Reply:
-        """Tinker's ``load_state`` (``optimizer``: ``load_state_with_optimizer``) onto an existing model."""
+        """Tinker's ``load_state`` (``optimizer``: ``load_state_with_optimizer``) onto an existing model; without a
+        ``model_id``, ``create_training_client_from_state[_with_optimizer]``: a new model with the state's LoRA
+        settings, then the load."""
         if not body.get("model_id"):
-            raise ValueError("load_weights without a model_id (create_training_client_from_state): not served; "
-                             "create_lora_training_client with the same rank, then load_state(path)")  # fmt: skip
+            return self._create_from_state(body)
         model = self.models.model(body["model_id"])
 
         def start() -> Future[Reply]:
@@ -247,6 +253,27 @@ class TinkerService:
 
         return self._queued(model.order.submit(int(body["seq_id"]), start), model_id=model.model_id)
 
+    def _create_from_state(self, body: dict[str, Any]) -> Reply:
+        """A training client built from a ``save_state`` folder (the load is its first call, before seq_id 1)."""
+        if body.get("session_id") is None or body.get("model_seq_id") is None:
+            raise ValueError("load_weights: give model_id and seq_id (load_state), or session_id and model_seq_id "
+                             "(create_training_client_from_state)")  # fmt: skip
+        if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
+            raise ValueError(f"optimizer_config={body['optimizer_config']}: rlkit serves AdamW only")
+        model_id = tinker_states.model_id(body["session_id"], body["model_seq_id"])
+        folder = self.models.state_folder(body["path"])  # confined to state_dir and signed by this server
+        lora = saved_lora(folder)
+        base_model = body.get("base_model") or self.models.base_model
+        self.sessions.claim_training(body["session_id"])
+
+        def build() -> ServedModel:
+            model = self.models.create(model_id, base_model, lora, None)
+            model.client.load_state(folder, optimizer=bool(body.get("optimizer"))).result()
+            return model
+
+        answer = {"path": body["path"], "model_id": model_id, "type": "load_weights"}
+        return self._queued(then(self._builder.submit(build), lambda _: json_reply(answer)), model_id=model_id)
+
     def _asample(self, body: dict[str, Any]) -> Reply:
         session = self.models.session(body["sampling_session_id"])
         model = self.models.model(session.model_id)
@@ -254,11 +281,20 @@ class TinkerService:
             raise ValueError(f"sampling session {body['sampling_session_id']} samples the weights of save "
                              f"{session.save}, but save {model.saves} has been queued since: rlkit's sampler holds "
                              "only the latest saved weights; sample with the newest sampling client")  # fmt: skip
+        unserved = [k for k in UNSERVED_SAMPLE_FIELDS if body.get(k)]
+        if unserved:
+            raise ValueError(f"{', '.join(unserved)}: not served; rlkit returns the sampled tokens' log-probs and, "
+                             "with prompt_logprobs (compute_logprobs), the prompt's")  # fmt: skip
         prompt, num = _prompt_tokens(body["prompt"]), int(body.get("num_samples", 1))
         kwargs = _sampling_kwargs(body.get("sampling_params", {}))
-        future = model.client.sample(prompt, num, **kwargs)
-        reply = then(future, lambda seqs: Reply(200, tinker_wire.encode_sample_response(
-            [(s.tokens, s.logprobs, s.stop_reason) for s in seqs]), tinker_wire.PROTO))  # fmt: skip
+        sampled = model.client.sample(prompt, num, **kwargs)
+        reply = then(sampled, lambda seqs: _sample_reply(seqs, None))
+        if body.get("prompt_logprobs") and len(prompt) == 1:  # nothing before the one token: no log-prob
+            reply = then(sampled, lambda seqs: _sample_reply(seqs, [math.nan]))
+        elif body.get("prompt_logprobs"):
+            last_n = body.get("prompt_logprobs_last_n")
+            scored = model.client.prompt_logprobs(prompt)  # queued after the sample: ``sampled`` is done first
+            reply = then(scored, lambda lps: _sample_reply(sampled.result(), _prompt_row(lps, last_n)))
         request_id = self.pending.add(reply)
         return json_reply({"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(num)]})
 
@@ -276,8 +312,11 @@ class TinkerService:
             reply = json_reply({"error": "cancelled: the server is stopping", "category": "server"})
         except Exception as exc:  # noqa: BLE001 - the request's failure, handed to the client
             category = "user" if isinstance(exc, ValueError) else "server"
-            logger.info("Tinker request %s failed: %s", request_id, exc)
-            reply = json_reply({"error": f"{type(exc).__name__}: {self._public(exc)}", "category": category})
+            if category == "user":
+                logger.info("Tinker request %s refused: %s", request_id, exc)
+            else:  # the whole story (remote tracebacks, log folders) stays in the server's log
+                logger.error("Tinker request %s failed", request_id, exc_info=exc)
+            reply = json_reply({"error": self._public(client_message(exc)), "category": category})
         self.pending.delivered(request_id)
         return reply
 
@@ -317,6 +356,35 @@ class TinkerService:
         self.pending.cancel_all()
         self._builder.shutdown(wait=True, cancel_futures=True)
         self.models.close()
+
+
+def client_message(exc: Exception) -> str:
+    """What a client is told of a failed call: the user's own error in full; of a server-side failure the exception
+    and its first line (each rank's, for a worker error), no remote traceback, stacks or server paths."""
+    if isinstance(exc, ValueError):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, RemoteError):
+        return "; ".join(f"rank {f.rank} raised {f.exc_type}: {f.message.splitlines()[0] if f.message else ''}"
+                         for f in exc.failures)  # fmt: skip
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first} (details in the server's log)"
+
+
+def _sample_reply(sequences: list[SampledSequence], prompt_logprobs: list[float] | None) -> Reply:
+    body = tinker_wire.encode_sample_response([(s.tokens, s.logprobs, s.stop_reason) for s in sequences],
+                                              prompt_logprobs)  # fmt: skip
+    return Reply(200, body, tinker_wire.PROTO)
+
+
+def _prompt_row(logprobs: list[float], last_n: int | None) -> list[float]:
+    """Tinker's prompt log-probs: NaN (the SDK's None) for the first token and, with ``last_n``, every token before
+    the last ``last_n``."""
+    row = [math.nan] + logprobs
+    if last_n is not None:
+        if not 1 <= int(last_n) < len(row):
+            raise ValueError(f"prompt_logprobs_last_n={last_n}: give 1 to len(prompt) - 1 = {len(row) - 1}")
+        row[: len(row) - int(last_n)] = [math.nan] * (len(row) - int(last_n))
+    return row
 
 
 def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:

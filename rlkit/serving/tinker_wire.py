@@ -114,8 +114,10 @@ def encode_forward_backward_output(logprobs: Sequence[torch.Tensor], metrics: di
     return out.SerializeToString()
 
 
-def encode_sample_response(sequences: Sequence[tuple[list[int], list[float], str]]) -> bytes:
-    """Tinker's ``SampleResponse`` protobuf from (tokens, log-probs, stop reason "stop"/"length") per sequence."""
+def encode_sample_response(sequences: Sequence[tuple[list[int], list[float], str]],
+                           prompt_logprobs: Sequence[float] | None = None) -> bytes:  # fmt: skip
+    """Tinker's ``SampleResponse`` protobuf from (tokens, log-probs, stop reason "stop"/"length") per sequence, and
+    the prompt's log-probs when asked (NaN where none: the first token, and those before ``prompt_logprobs_last_n``)."""
     from tinker.proto import tinker_public_pb2 as pb
 
     stop = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -123,4 +125,6 @@ def encode_sample_response(sequences: Sequence[tuple[list[int], list[float], str
         pb.SampledSequence(stop_reason=stop[reason], tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
                            logprobs=np.asarray(logprobs, dtype=np.float32).tobytes())
         for tokens, logprobs, reason in sequences])  # fmt: skip
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
     return out.SerializeToString()

@@ -31,18 +31,22 @@ from rlkit import diagnostics
 from rlkit.config.primitives import PrimitivesConfig
 from rlkit.data.datum import Datum, datum_problems, pad_data
 from rlkit.models import load_tokenizer, resolve_model_dir
+from rlkit.models.loading import model_limits
 from rlkit.rollout import SamplingParams
 from rlkit.rollout.stops import StopSequences
 from rlkit.runtime import PerRank, RoleGroup, RoleOwner
 from rlkit.runtime.cluster import Cluster
+from rlkit.runtime.errors import RemoteError
 from rlkit.trainer.checkpoints import written_in_place
-from rlkit.workers.primitives import AdamStep, OptimResult, PrimitivesWorker
+from rlkit.workers.primitives import AdamStep, DataRefused, OptimResult, PeerRefused, PrimitivesWorker
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STATE_META = "client.json"
-"""In a save_state folder: the model directory, the LoRA rank and the optimizer steps taken."""
+"""In a save_state folder: the model directory, the LoRA settings and the optimizer steps taken."""
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_modules_to_save")
+"""The LoRA settings a save_state folder records and load_state compares (the adapters' shapes and scale)."""
 
 
 @dataclass
@@ -87,12 +91,16 @@ class TrainingClient:
         self.cluster = cluster
         self.model_dir = resolve_model_dir(self.config.model)
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=self.config.trust_remote_code)
+        self.limits = model_limits(self.model_dir)
         self.owner = RoleOwner("TrainingClient", hint="Build a new rlkit.TrainingClient to train again.")
         self._role = RoleGroup(cluster, PrimitivesWorker, self.config, str(self.model_dir), owner=self.owner)
         self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlkit-primitives")
         self._samples: list[_SampleRecord] = []
         self._step = 0
         self._sampler_step = 0
+        self._trainer_is_sampler = True
+        """No optimizer step or load_state since the sampler's weights were last synced (the engine starts with the
+        actor's)."""
 
     def _submit(self, fn: Callable[[], T]) -> Future[T]:
         return self._queue.submit(fn)
@@ -130,7 +138,9 @@ class TrainingClient:
         :meth:`save_weights_for_sampler`). The trainer's log-probs of each completion are kept for :meth:`rollouts`.
 
         ``stop``: token ids or strings that end a completion besides end-of-text; it ends with the first one, which
-        it keeps (:class:`rlkit.rollout.stops.StopSequences`)."""
+        it keeps (:class:`rlkit.rollout.stops.StopSequences`). An empty list: nothing but ``max_tokens`` ends it,
+        end-of-text included (Tinker's ``stop=[]``). ``max_tokens`` may use what the model's context leaves after
+        the prompt."""
         problems = []
         try:
             stops = StopSequences.parse(stop, len(self.tokenizer))
@@ -139,16 +149,40 @@ class TrainingClient:
         if not 1 <= len(prompt) <= self.config.max_prompt_tokens:
             problems.append(f"prompt of {len(prompt)} tokens: give 1 to max_prompt_tokens="
                             f"{self.config.max_prompt_tokens}")  # fmt: skip
+        bad = [i for i, t in enumerate(prompt) if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            problems.append(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary (0 to "
+                            f"{self.limits.vocab_size - 1})")  # fmt: skip
         if not 1 <= num_samples <= self.config.max_samples:
             problems.append(f"num_samples={num_samples}: give 1 to max_samples={self.config.max_samples}")
-        if max_tokens < 1 or temperature <= 0 or not 0 < top_p <= 1:
-            problems.append(f"max_tokens={max_tokens}, temperature={temperature}, top_p={top_p}: need max_tokens >= 1,"
-                            " temperature > 0, 0 < top_p <= 1")  # fmt: skip
+        room = self.limits.context - len(prompt)
+        if not 1 <= max_tokens <= room:
+            problems.append(f"max_tokens={max_tokens}: give 1 to {room} (the model's context of "
+                            f"{self.limits.context} positions less the prompt's {len(prompt)} tokens)")  # fmt: skip
+        if not (temperature > 0 and 0 < top_p <= 1):
+            problems.append(f"temperature={temperature}, top_p={top_p}: need temperature > 0, 0 < top_p <= 1")
         if problems:
             raise ValueError("sample: " + "; ".join(problems))
         params = SamplingParams(n=num_samples, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=self.config.seed if seed is None else seed)  # fmt: skip
+                                seed=self.config.seed if seed is None else seed,
+                                stop_at_eos=stop is None or isinstance(stop, str) or len(stop) > 0)  # fmt: skip
         return self._submit(lambda: self._sample(list(prompt), params, stops))
+
+    def prompt_logprobs(self, prompt: Sequence[int]) -> Future[list[float]]:
+        """Queue the log-prob of each token of ``prompt`` after the first, given the tokens before it, under the
+        sampler's weights ([len(prompt) - 1] floats; Tinker's ``compute_logprobs`` less its leading None). The trainer
+        computes them, so they fail with a ValueError when the trainer's weights are no longer the sampler's (an
+        optimizer step or a load_state since the last :meth:`save_weights_for_sampler`)."""
+        problems = []
+        if not 2 <= len(prompt) <= self.limits.context:
+            problems.append(f"prompt of {len(prompt)} tokens: give 2 to the model's context of {self.limits.context}")
+        bad = [i for i, t in enumerate(prompt) if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            problems.append(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary (0 to "
+                            f"{self.limits.vocab_size - 1})")  # fmt: skip
+        if problems:
+            raise ValueError("prompt_logprobs: " + "; ".join(problems))
+        return self._submit(lambda: self._prompt_logprobs(list(prompt)))
 
     def save_state(self, path: str | Path) -> Future[Path]:
         """Queue a checkpoint of the adapters and AdamW's moments (Tinker's ``save_state``) into the folder ``path``,
@@ -196,7 +230,7 @@ class TrainingClient:
     # -- on the queue's thread --------------------------------------------------------------------
 
     def _check(self, data: Sequence[Datum], loss_fn: str) -> None:
-        problems = datum_problems(data, loss_fn)
+        problems = datum_problems(data, loss_fn, self.limits.vocab_size, self.limits.context)
         if problems:
             raise ValueError(f"{len(problems)} problem(s) in the data:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -208,39 +242,63 @@ class TrainingClient:
         rows = pad_data(data, loss_fn, share * world)
         shares = [rows.rows(r * share, (r + 1) * share) for r in range(world)]
         config = dict(loss_fn_config) if loss_fn_config is not None else None
-        results = self._role.call(PrimitivesWorker.forward_backward, PerRank(shares), loss_fn, config, backward)
+        try:
+            results = self._role.call(PrimitivesWorker.forward_backward, PerRank(shares), loss_fn, config, backward)
+        except RemoteError as err:
+            refusal = _refusal(err, world)
+            if refusal is None:
+                raise
+            raise refusal from None
         logprobs = [lp for result in results for lp in result.logprobs]
         return ForwardBackwardOutput(logprobs=logprobs, metrics={"loss:sum": sum(r.loss_sum for r in results)})
 
     def _optim_step(self, adam: AdamStep) -> OptimResult:
+        self._trainer_is_sampler = False
         result = self._role.call(PrimitivesWorker.optim_step, adam)[0]
         self._step = result.step
         return result
 
     def _sync(self) -> int:
         loaded = self._role.call(PrimitivesWorker.sync_engine)[0]
-        self._sampler_step = self._step
+        self._sampler_step, self._trainer_is_sampler = self._step, True
         return loaded
 
     def _save_state(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with written_in_place(path) as partial:
             self._role.call(PrimitivesWorker.save_state, str(partial))
-            meta = {"model": str(self.model_dir), "lora_rank": self.config.lora.rank, "step": self._step}
+            meta = {"model": str(self.model_dir), **self._lora_meta(), "step": self._step}
             (partial / STATE_META).write_text(json.dumps(meta))
         return path
 
     def _load_state(self, path: Path, optimizer: bool) -> None:
         if not (path / STATE_META).is_file():
-            raise ValueError(f"{path}: not a folder written by save_state (no {STATE_META})")
+            raise ValueError(f"{path.name}: not a folder written by save_state (no {STATE_META})")
         meta = json.loads((path / STATE_META).read_text())
-        problems = [f"{key}={meta[key]!r} there, {mine!r} here" for key, mine in
-                    (("model", str(self.model_dir)), ("lora_rank", self.config.lora.rank)) if meta[key] != mine]
+        mine = {"model": str(self.model_dir), **self._lora_meta()}
+        problems = [f"{key}={meta.get(key)!r} there, {value!r} here" for key, value in mine.items()
+                    if meta.get(key) != value]  # fmt: skip
         if problems:
-            raise ValueError(f"load_state {path}: a checkpoint of another client (" + "; ".join(problems) +
-                             "); load it into a TrainingClient with that model and LoRA rank")  # fmt: skip
+            raise ValueError(f"load_state {path.name}: a checkpoint of another client (" + "; ".join(problems) +
+                             "); load it into a TrainingClient with that model and those LoRA settings")  # fmt: skip
+        self._trainer_is_sampler = False
         self._role.call(PrimitivesWorker.load_state, str(path), optimizer, int(meta["step"]))
         self._step = int(meta["step"])
+
+    def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        if not self._trainer_is_sampler:
+            raise ValueError("prompt log-probs: the trainer's weights have moved since the last "
+                             "save_weights_for_sampler, and rlkit computes them with the trainer; save the weights "
+                             "for the sampler (save_weights_and_get_sampling_client) and ask that sampler")  # fmt: skip
+        datum = Datum(tokens=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:], "weights": [0.0] *
+                                                          (len(prompt) - 1)})  # fmt: skip
+        return self._forward([datum], "cross_entropy", None, backward=False).logprobs[0].tolist()
+
+    def _lora_meta(self) -> dict[str, object]:
+        """This client's LoRA settings as a save_state folder records them (:data:`LORA_KEYS`)."""
+        lora = self.config.lora
+        return dict(zip(LORA_KEYS, (lora.rank, float(lora.alpha), lora.target_modules, list(lora.modules_to_save)),
+                        strict=True))  # fmt: skip
 
     def _sample(self, prompt: list[int], params: SamplingParams, stops: StopSequences) -> list[SampledSequence]:
         world = self.cluster.world_size
@@ -257,6 +315,26 @@ class TrainingClient:
         trainer = [lp[len(prompt) - 1:] for lp in scored.logprobs]
         self._samples.append(_SampleRecord(prompt, sequences, trainer, self._sampler_step, self._step))
         return sequences
+
+
+def saved_lora(path: Path) -> dict[str, object]:
+    """The LoRA settings a :meth:`TrainingClient.save_state` folder was saved with, as LoraConfig fields (ValueError
+    for a folder save_state did not write)."""
+    meta_file = path / STATE_META
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    if any(key not in meta for key in LORA_KEYS):
+        raise ValueError(f"{path.name}: not a folder written by save_state (no LoRA settings in its {STATE_META})")
+    return {key.removeprefix("lora_"): meta[key] for key in LORA_KEYS}
+
+
+def _refusal(err: RemoteError, world_size: int) -> ValueError | None:
+    """The ranks' refusal of their data as one ValueError (their reasons, no remote traceback), when that is what
+    ``err`` is: every rank raised before its first forward (see ``PrimitivesWorker._agree``)."""
+    kinds = [f.exc_type.rsplit(".", 1)[-1] for f in err.failures]  # the workers name the class with its module
+    if len(err.failures) != world_size or not set(kinds) <= {DataRefused.__name__, PeerRefused.__name__}:
+        return None
+    return ValueError("forward_backward: the data breaks the model's limits: " + "; ".join(
+        f.message for f, kind in zip(err.failures, kinds, strict=True) if kind == DataRefused.__name__))
 
 
 def _scoring_datum(prompt: list[int], completion: list[int]) -> Datum:

@@ -8,22 +8,27 @@ engine samples the weights of the last ``sync_engine`` (Tinker's ``save_weights_
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rlkit import diagnostics
 from rlkit.algos.tinker_losses import tinker_token_loss
 from rlkit.config import OptimConfig
 from rlkit.config.primitives import PrimitivesConfig
-from rlkit.data.datum import DatumRows
+from rlkit.data.datum import DatumRows, rows_problems
 from rlkit.fsdp import param_dtype
 from rlkit.models import load_tokenizer
-from rlkit.models.logprobs import token_logprobs
+from rlkit.models.head import response_head
+from rlkit.models.loading import model_limits
+from rlkit.models.logprobs import sampled_logprobs
 from rlkit.rollout import SamplingParams, build_engine
 from rlkit.workers.actor import ActorRole
+from rlkit.workers.batches import micro_batch_positions
 from rlkit.workers.lora import engine_weights
 
 
@@ -38,6 +43,18 @@ class AdamStep:
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
     """Clip the true global gradient norm to this; 0: no clip."""
+
+    def __post_init__(self) -> None:
+        problems = [f"{name}={value!r}: {rule}" for name, value, ok, rule in (
+            ("learning_rate", self.learning_rate, 0 < self.learning_rate < math.inf, "must be positive and finite"),
+            ("beta1", self.beta1, 0 <= self.beta1 < 1, "must be in [0, 1)"),
+            ("beta2", self.beta2, 0 <= self.beta2 < 1, "must be in [0, 1)"),
+            ("eps", self.eps, 0 < self.eps < math.inf, "must be positive and finite"),
+            ("weight_decay", self.weight_decay, 0 <= self.weight_decay < math.inf, "must be >= 0 and finite"),
+            ("grad_clip_norm", self.grad_clip_norm, 0 <= self.grad_clip_norm < math.inf, "must be >= 0 (0: no clip)"),
+        ) if not ok]  # fmt: skip
+        if problems:
+            raise ValueError("AdamStep: " + "; ".join(problems))
 
 
 @dataclass(kw_only=True)
@@ -74,6 +91,14 @@ class SampledRows:
     """"stop" or "length" per completion."""
 
 
+class DataRefused(ValueError):
+    """A rank's data broke the model's limits: raised on that rank, and :class:`PeerRefused` on the others."""
+
+
+class PeerRefused(ValueError):
+    """Another rank refused this call's data (its :class:`DataRefused` says why)."""
+
+
 class PrimitivesWorker(ActorRole):
     """One rank's share of a Tinker-style training client: the LoRA actor and AdamW, and a whole rollout engine."""
 
@@ -89,6 +114,7 @@ class PrimitivesWorker(ActorRole):
             lora=config.lora,
         )
         self.config = config
+        self.limits = model_limits(self.model_dir)
         tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         self.engine = build_engine(
             config.rollout,
@@ -114,27 +140,60 @@ class PrimitivesWorker(ActorRole):
         self, rows: DatumRows, loss_fn: str, loss_fn_config: Mapping[str, float] | None, backward: bool
     ) -> ForwardResult:
         """Tinker's loss of this rank's rows [b, N] (a sum over tokens), its backward with ``backward`` (gradients add
-        to those of earlier calls; FSDP sums them over ranks), and each datum's target log-probs."""
+        to those of earlier calls; FSDP sums them over ranks), and each datum's target log-probs. The rows go through
+        the model ``micro_batch_size`` at a time (every rank makes as many passes: the shares are equal), each
+        through the fused LM head (:mod:`rlkit.models.head`) where the model has one: no [b, N, V] logits.
+
+        Every rank checks its rows against the model's limits and the ranks agree before the first forward
+        (:meth:`_agree`), so bad data raises on all of them together instead of leaving some in a collective."""
+        self._agree(rows_problems(rows, self.limits.vocab_size, self.limits.context))
         if backward and self.pending == 0:
             self.memory.reset()
         rows = rows.to(self.device)
-        with torch.set_grad_enabled(backward):
-            logprobs = self._target_logprobs(rows)
-            loss = tinker_token_loss(loss_fn, logprobs, rows.inputs, rows.mask, loss_fn_config).sum()
-            if backward:
-                loss.backward()
-                self.pending += 1
-                self.memory.mark("forward_backward")
-        kept = [logprobs[i, :n].detach().cpu() for i, n in enumerate(rows.lengths) if n > 0]
-        return ForwardResult(logprobs=kept, loss_sum=float(loss.detach()))
+        logprobs = torch.zeros(rows.mask.shape, device=self.device)
+        loss_sum = 0.0
+        micros = micro_batch_positions(torch.tensor(rows.lengths), self.config.micro_batch_size)
+        with self.actor.accumulation(micros) as steps, torch.set_grad_enabled(backward):
+            for index in steps:
+                micro = rows.rows(int(index[0]), int(index[-1]) + 1)
+                micro_logprobs = self._target_logprobs(micro)
+                loss = tinker_token_loss(loss_fn, micro_logprobs, micro.inputs, micro.mask, loss_fn_config).sum()
+                if backward:
+                    loss.backward()
+                logprobs[index.to(self.device)] = micro_logprobs.detach().float()
+                loss_sum += float(loss.detach())
+        if backward:
+            self.pending += 1
+            self.memory.mark("forward_backward")
+        kept = [logprobs[i, :n].cpu() for i, n in enumerate(rows.lengths) if n > 0]
+        return ForwardResult(logprobs=kept, loss_sum=loss_sum)
+
+    def _agree(self, problems: list[str]) -> None:
+        """Raise on every rank when any rank has ``problems`` (one all-reduce of a flag per rank, before any other
+        collective of the call): :class:`DataRefused` where they are, :class:`PeerRefused` elsewhere."""
+        flags = torch.zeros(self.world_size, device=self.device)
+        flags[self.rank] = float(bool(problems))
+        dist.all_reduce(flags)
+        if problems:
+            raise DataRefused(f"rank {self.rank}'s share: " + "; ".join(problems))
+        if flags.any():
+            refused = flags.nonzero().flatten().tolist()
+            raise PeerRefused(f"ranks {refused} refused their share of the data")
 
     def _target_logprobs(self, rows: DatumRows) -> torch.Tensor:
-        """[b, N] log-probs (temperature 1) of ``rows.target_tokens`` under the actor; 0 on padding."""
+        """[b, N] log-probs (temperature 1) of ``rows.target_tokens`` under the actor; 0 on padding. With a
+        :class:`~rlkit.models.head.ResponseHead` only the real positions' log-probs are computed, chunk by chunk."""
         mask = rows.mask.long()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.actor.model(input_ids=rows.input_ids, attention_mask=mask, position_ids=positions,
-                                  use_cache=False).logits  # fmt: skip
-        return token_logprobs(logits, rows.target_tokens, 1.0) * rows.mask
+        kwargs = {"input_ids": rows.input_ids, "attention_mask": mask, "use_cache": False,
+                  "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}  # fmt: skip
+        head = response_head(self.actor.model)
+        if head is None:
+            logprobs, _ = sampled_logprobs(self.actor.model(**kwargs).logits, rows.target_tokens, 1.0)
+            return logprobs * rows.mask
+        real = rows.mask.flatten().nonzero().squeeze(1)
+        with head.scoring(real, rows.target_tokens.flatten()[real], 1.0, "none"):
+            out = self.actor.model(**kwargs).logits  # [M, 2]: log-prob, entropy (0)
+        return out.new_zeros(rows.mask.numel()).scatter(0, real, out[:, 0]).view(rows.mask.shape)
 
     def optim_step(self, adam: AdamStep) -> OptimResult:
         """One AdamW step with ``adam``'s hyperparameters on the accumulated gradients, then zero them; the gradient
@@ -180,7 +239,7 @@ class PrimitivesWorker(ActorRole):
         """Restore :meth:`save_state`'s adapters, with ``optimizer`` AdamW's moments too (else a fresh AdamW), and the
         step count ``steps``; gradients accumulated since the last optimizer step are dropped."""
         self.load(directory)
-        if not optimizer:
+        if not optimizer or steps == 0:  # at step 0 the saved moments are the zeros of torch's placeholder step
             self.actor.optimizer.state.clear()
         self.actor.optimizer.zero_grad(set_to_none=True)
         self.pending, self.steps = 0, steps

@@ -74,8 +74,15 @@ class TrainedModel:
         return norm
 
     def save(self, directory: Path, name: str, rank: int) -> None:
-        """Shards of model and optimizer into ``directory/name``; this rank's schedule into ``name_rank<r>.pt``."""
+        """Shards of model and optimizer into ``directory/name``; this rank's schedule into ``name_rank<r>.pt``.
+
+        Before the first optimizer step, torch's checkpointing fills AdamW's state by a step with zero gradients and
+        lr 0, which counts as a step (the next real one would see step 2 and a different bias correction): that
+        state is dropped again after the save, so saving never changes training."""
+        fresh = not self.optimizer.state
         save_sharded(self.model, self.optimizer, directory / name)
+        if fresh:
+            self.optimizer.state.clear()
         torch.save({"scheduler": self.scheduler.state_dict()}, directory / f"{name}_rank{rank}.pt")
 
     def load(self, directory: Path, name: str, rank: int) -> None:
