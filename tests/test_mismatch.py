@@ -180,8 +180,8 @@ class SleepingHFEngine(HFEngine):
 
 
 def engine_sleeps(on: bool) -> bool:
-    """On a worker: the hf engine made a SleepingHFEngine (``on``) or a plain, awake one again; whether it was
-    asleep."""
+    """On a worker: the hf engine made a SleepingHFEngine, asleep (``on``), or a plain, awake one again; whether it
+    was asleep."""
     from rlkit.runtime import local_instance
     from rlkit.workers import PolicyWorker
 
@@ -190,6 +190,8 @@ def engine_sleeps(on: bool) -> bool:
     if not on and isinstance(engine, SleepingHFEngine):
         engine.wake()
     engine.__class__ = SleepingHFEngine if on else HFEngine
+    if on:
+        engine.sleep()  # as after a rollout on a GPU
     return asleep
 
 
@@ -269,12 +271,23 @@ def test_clean_run_measures_every_step_and_names_no_cause(trainer):
 def test_certify_reads_a_sleeping_engine_s_weights_awake_and_leaves_it_asleep(trainer):
     trainer.cluster.run(engine_sleeps, True)
     try:
-        trainer.rollout()  # the engine sleeps after generating, as a vLLM engine on a GPU does
-        floor = trainer.certify()
+        floor = trainer.certify()  # its rollouts wake the engine and put it back to sleep, as on a GPU
         assert trainer.cluster.run(engine_sleeps, True) == [True, True], "certify() must leave the engine asleep"
     finally:
         trainer.cluster.run(engine_sleeps, False)
     assert floor.clean and floor.report.checks.set_index("check").loc["stale weights", "named"] == False, str(floor)  # noqa: E712
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_sampling_at_another_temperature_than_the_config_s_1_is_named(trainer):
+    trainer.cluster.run(plant_temperature, 0.8)
+    try:
+        floor = trainer.certify()
+    finally:
+        trainer.cluster.run(plant_temperature, None)
+    assert not floor.clean and floor.causes == ["sampling: temperature"], str(floor)
+    evidence = floor.report.checks.set_index("check").loc["sampling: temperature", "evidence"]
+    assert evidence.startswith("the trainer at temperature 0.8 leaves"), evidence
 
 
 def probe_and_score(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> list[bool]:
@@ -536,18 +549,6 @@ def test_each_hypothesis_names_only_its_cause(engine, temperature, top_p, named)
     ids = batch.input_ids[0].tolist()
     assert report.tokens["repeated"].tolist() == [ids[2 + t] in ids[: 2 + t] for t in range(4)]
     assert report.tokens["repeated"].any()
-
-
-@pytest.mark.timeout(120)
-def test_an_engine_sampling_at_another_temperature_than_the_config_s_1_is_named(trainer):
-    trainer.cluster.run(plant_temperature, 0.8)
-    try:
-        floor = trainer.certify()
-    finally:
-        trainer.cluster.run(plant_temperature, None)
-    assert not floor.clean and floor.causes == ["sampling: temperature"], str(floor)
-    evidence = floor.report.checks.set_index("check").loc["sampling: temperature", "evidence"]
-    assert evidence.startswith("the trainer at temperature 0.8 leaves"), evidence
 
 
 def test_a_temperature_the_engine_reports_is_checked_against_the_config_s_1():

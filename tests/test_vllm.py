@@ -329,3 +329,52 @@ def test_a_killed_controller_leaves_no_engine_process_or_shared_memory(tmp_path)
         psutil.Process(pid).kill()
     assert not left, f"processes {left} outlived the controller by 30 s"
     assert not [p for p in paths if os.path.exists(p)], "shared memory outlived the controller"
+
+
+UNTITLED_CONTROLLER = """if True:
+    import json
+    import psutil
+    import rlkit
+
+    if __name__ == "__main__":
+        cluster = rlkit.launch(world_size=2, env={"VLLM_PROCESS_NAME_PREFIX": "python3"})
+        rollout = rlkit.RolloutConfig(engine="vllm", max_new_tokens=96, min_new_tokens=96)
+        trainer = rlkit.Trainer(cluster, rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=8, group_size=4,
+                                                          rollout=rollout))
+        tree = psutil.Process().children(recursive=True)
+        print(json.dumps({"pids": [p.pid for p in tree], "titles": sorted({p.name() for p in tree})}), flush=True)
+        while True:
+            trainer.step()  # mostly generation: every response is 96 tokens
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kill", ["SIGTERM", "SIGKILL"])
+def test_a_driver_killed_while_untitled_engines_generate_leaves_no_process(tmp_path, kill):
+    """On the GPU image vLLM's engine processes are untitled (no setproctitle: ``python3 -B -c from
+    multiprocessing.spawn ...``), and a killed run left them on the GPU: they were found by a title starting with
+    "VLLM". Here their titles start otherwise too (vLLM's prefix set to "python3"); the driver is killed in its step
+    loop, and every process it had started (workers, their reapers, the engines') is gone within 30 s."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    driver = subprocess.Popen([sys.executable, "-c", UNTITLED_CONTROLLER], stdout=subprocess.PIPE, text=True,
+                              cwd=tmp_path)  # fmt: skip
+    try:
+        seen = json.loads(driver.stdout.readline())
+        time.sleep(3)  # into the first step's generation
+    finally:
+        driver.send_signal(getattr(signal, kill))
+        driver.wait()
+    assert not any(title.startswith("VLLM") for title in seen["titles"]), seen["titles"]
+    assert len(seen["pids"]) >= 6, seen  # 2 workers, and per worker its engine's process(es) and its reaper
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in seen["pids"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in seen["pids"] if alive(pid)]
+    for pid in left:  # leave nothing behind on a failure either
+        psutil.Process(pid).kill()
+    assert not left, f"processes {left} outlived the driver ({kill}) by 30 s"

@@ -110,7 +110,7 @@ class VLLMEngine:
         self._scratch = Path(tempfile.mkdtemp(prefix="rlkit-vllm-weights-", dir=_scratch_root(model_dir)))
         self._reaper = Reaper()  # removes the engine's processes and files if this worker dies without close()
         self._reaper.watch(paths=[self._scratch])
-        others = _vllm_processes()
+        others = _descendants()
         with _engine_environment(device, gpus, tensor_parallel_size), _removed_on_error(self._scratch, self._reaper):
             self.llm: Any = LLM(
                 model=str(model_dir),
@@ -132,7 +132,7 @@ class VLLMEngine:
                 worker_extension_cls="rlkit.rollout.vllm_worker.WorkerExtension",
                 **lora,
             )
-        self._processes = [p for p in _vllm_processes() if p not in others]
+        self._processes = [p for p in _descendants() if p not in others]  # pid and start time: no reused pid
         self._reaper.watch(self._processes, _shared_memory_files(self._processes))
         if device.type == "cpu":
             logger.info(
@@ -344,9 +344,11 @@ def _max_lora_rank(rank: int) -> int:
     return next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
 
 
-def _vllm_processes() -> list[psutil.Process]:
-    """This process's descendants that vLLM started (it titles them ``VLLM::EngineCore``, ``VLLM::Worker``...)."""
-    return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
+def _descendants() -> list[psutil.Process]:
+    """This process's descendants. Those that appear while the engine starts are its processes: vLLM titles them
+    ``VLLM::EngineCore``, ``VLLM::Worker``... only where the optional setproctitle is installed (on a GPU image
+    without it they read ``python3 -B -c from multiprocessing.spawn import spawn_main ...``)."""
+    return psutil.Process().children(recursive=True)
 
 
 def _shared_memory_files(processes: list[psutil.Process]) -> set[str]:
