@@ -7,14 +7,14 @@
 # machine goes back and /tmp is lost), from the project's root, timeout_s 600, each carrying the folders named:
 #
 #   call  carry                       command                       items
-#   a1    .whl/vllm/c0 .whl/run       bash bench/acceptance.sh a1   GRPO hf; LoRA FSDP2/FSDP1, tied/untied, merged/adapter
-#   a2    .whl/vllm/c1                bash bench/acceptance.sh a2   fsdp.compile, Liger, PPO, DPO, KTO, checkpoint
-#   a3    .whl/vllm/c2                bash bench/acceptance.sh a3   (carrying)
-#   a4    .whl/vllm/c3                bash bench/acceptance.sh a4   (carrying)
-#   a5    .whl/vllm/c4                bash bench/acceptance.sh a5   (carrying)
-#   a6    .whl/vllm/c5 .whl/tinker    bash bench/acceptance.sh a6   vLLM + Tinker SDK install; GRPO vLLM, correction on
-#   a7    (nothing)                   bash bench/acceptance.sh a7   LoRA adapter sync into vLLM, certify(), agentic x2
-#   a8    (nothing)                   bash bench/acceptance.sh a8   a driver killed (SIGTERM, SIGKILL); the Tinker SDK
+#   a1    .whl/vllm/c0 .whl/run       bash bench/acceptance.sh a1   GRPO hf; LoRA FSDP1 untied, merged and adapter sync
+#   a2    .whl/vllm/c1                bash bench/acceptance.sh a2   PPO, DPO, KTO
+#   a3    .whl/vllm/c2                bash bench/acceptance.sh a3   fsdp.compile, Liger
+#   a4    .whl/vllm/c3                bash bench/acceptance.sh a4   checkpoint; LoRA FSDP2 tied, adapter sync
+#   a5    .whl/vllm/c4                bash bench/acceptance.sh a5   LoRA FSDP2 untied merged; FSDP1 tied refused
+#   a6    .whl/vllm/c5 .whl/tinker    bash bench/acceptance.sh a6   vLLM + Tinker SDK install; GRPO vLLM, certify()
+#   a7    (nothing)                   bash bench/acceptance.sh a7   a driver killed (SIGTERM, SIGKILL); agentic x2
+#   a8    (nothing)                   bash bench/acceptance.sh a8   the correction on; LoRA adapter sync into vLLM; Tinker
 #
 # A call continues the record the last call left in /tmp (a fresh machine: the committed one named by
 # ACCEPTANCE_RECORD, if any); an item already in it is replaced. Items the rest of a call's budget (BUDGET, 270 s)
@@ -50,24 +50,24 @@ install_liger() {  # Liger Kernel from .whl/run (Triton comes with the image's t
 a1() {
   fetch vllm/c0
   install_liger
-  accept grpo-hf lora-fsdp1-tied-refused lora-fsdp2-tied-adapter lora-fsdp1-untied-merged lora-fsdp1-untied-adapter \
-    lora-fsdp2-untied-merged
+  accept grpo-hf lora-fsdp1-untied-merged lora-fsdp1-untied-adapter
 }
 
-a2() { fetch vllm/c1; accept compile liger ppo dpo kto checkpoint; }
-a3() { fetch vllm/c2; }
-a4() { fetch vllm/c3; }
-a5() { fetch vllm/c4; }
+# the calls that carry vLLM's parts run the other hf items: a machine is paid for while it is held
+a2() { fetch vllm/c1; accept ppo dpo kto; }
+a3() { fetch vllm/c2; accept compile liger; }
+a4() { fetch vllm/c3; accept checkpoint lora-fsdp2-tied-adapter; }
+a5() { fetch vllm/c4; accept lora-fsdp2-untied-merged lora-fsdp1-tied-refused; }
 
 a6() {
   fetch vllm/c5
   install_vllm || { echo "vLLM install failed"; return 1; }
   install_tinker
-  accept grpo-vllm correction-vllm  # the first engine start compiles: most of the call is left to it
+  accept grpo-vllm certify-vllm  # the first engine start compiles
 }
 
-a7() { accept lora-vllm-adapter certify-vllm agentic-tool agentic-env; }
-a8() { accept kill-sigterm kill-sigkill tinker; }
+a7() { accept kill-sigterm kill-sigkill agentic-tool agentic-env; }
+a8() { accept correction-vllm lora-vllm-adapter tinker; }
 
 CALLS=(a1 a2 a3 a4 a5 a6 a7 a8)
 declare -A ESTIMATES=()
