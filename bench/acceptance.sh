@@ -27,6 +27,9 @@ source "$(dirname "$0")/gpu_session.sh"
 export PYTHONPATH="$PYTHONPATH:/tmp/site-tinker"  # after /tmp/site: vLLM's pins win over the SDK's
 
 accept() {  # accept ITEM...: the items, under the rest of the call's budget, into $OUT/acceptance.json
+  # shellcheck disable=SC2086  # ITEMS (set, even empty): these items instead of the call's, e.g. a lease short of
+  [ -n "${ITEMS+x}" ] && set -- $ITEMS  # time, or one that re-runs what failed; the call still carries its part
+  [ $# -eq 0 ] && return 0
   if [ -n "$PLAN" ]; then
     for name in "$@"; do echo "$CALL $name ${ESTIMATES[$name]}"; done
     return
