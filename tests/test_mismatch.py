@@ -27,6 +27,7 @@ from rlkit.diagnostics.rescore import (
     seen_tokens,
 )
 from rlkit.rollout.hf import HFEngine
+from rlkit.runtime.errors import RolesReplaced
 from tests.test_vllm import skip_syncs
 
 CAUSES = {"sampling: temperature", "sampling: top_p/top_k", "sampling: min_new_tokens",
@@ -244,10 +245,26 @@ def engine_out_of_process(dtype_name: str, rounding: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def trainer(cluster):
-    rollout, optim = rlkit.RolloutConfig(max_new_tokens=8), rlkit.OptimConfig(lr=2e-3)
-    config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=8, group_size=4, optim=optim, rollout=rollout)
-    return rlkit.Trainer(cluster, config)
+def _held_trainer(cluster) -> dict:
+    """The module's trainer, kept across its tests (filled by ``trainer``)."""
+    return {}
+
+
+@pytest.fixture
+def trainer(_held_trainer, cluster):
+    """The module's trainer, or a new one when a test's own Trainer replaced its roles on the cluster (one owner's
+    models live on a cluster at a time), so no test depends on running before those."""
+    held = _held_trainer.get("trainer")
+    try:
+        if held is not None:
+            held._check_usable()
+    except RolesReplaced:
+        held = None
+    if held is None:
+        rollout, optim = rlkit.RolloutConfig(max_new_tokens=8), rlkit.OptimConfig(lr=2e-3)
+        config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=8, group_size=4, optim=optim, rollout=rollout)
+        held = _held_trainer["trainer"] = rlkit.Trainer(cluster, config)
+    return held
 
 
 @pytest.mark.timeout(240)
@@ -312,7 +329,10 @@ def probe_and_score(input_ids: torch.Tensor, attention_mask: torch.Tensor, respo
 @pytest.mark.timeout(120)
 def test_the_probe_scores_through_the_update_s_padding_free_forward(trainer):
     batch = trainer._side_rollout(trainer._next_seeds())  # as mismatch() draws it: the prompt stream stays put
-    rows = torch.cat([torch.arange(4), len(batch) // 2 + torch.arange(4)])
+    lengths = batch.attention_mask.sum(1)
+    order = lengths.argsort(stable=True)  # each rank's 4 rows hold the shortest or the longest: padding to remove
+    rows = torch.cat([order[[0, 2, 4, -1]], order[[1, 3, 5, -2]]])
+    assert all(lengths[rows[r * 4 : r * 4 + 4]].unique().numel() > 1 for r in range(2)), lengths
     picked = batch.select(rows)
     same = trainer.cluster.run(probe_and_score, picked.input_ids, picked.attention_mask, picked.response_mask)
     assert same == [[True, False], [True, False]], same
@@ -418,7 +438,7 @@ def test_a_bf16_trainer_and_an_out_of_process_bf16_engine_read_clean_and_each_pl
     """vLLM in bf16 on a GPU as the probe sees it: no engine model to copy, the trainer computing in the engine's
     dtype, so the floor's reference repeats the trainer's arithmetic; the floor is then the dtype's least one."""
     config = dataclasses.replace(trainer.config, fsdp=rlkit.FSDPConfig(param_dtype="bf16"))
-    bf16 = rlkit.Trainer(trainer.cluster, config)  # the module's trainer is done with: its engines are replaced
+    bf16 = rlkit.Trainer(trainer.cluster, config)  # the module's trainer's roles are replaced (rebuilt after)
     bf16.cluster.run(engine_out_of_process, "bfloat16", 2**-8)
     bf16.step()
     clean = bf16.certify()
@@ -461,9 +481,12 @@ def test_a_corrected_run_on_a_bf16_engine_still_learns(trainer):
     config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=16, group_size=8, kl_coef=0.01,
                               optim=rlkit.OptimConfig(lr=5e-4), rollout=rlkit.RolloutConfig(max_new_tokens=6),
                               rollout_correction=correction)  # fmt: skip
-    corrected = rlkit.Trainer(trainer.cluster, config)  # the module's trainer is done with: its engines are replaced
-    trainer.cluster.run(engine_in, "bfloat16")
-    history = corrected.fit(30, progress=False)
+    corrected = rlkit.Trainer(trainer.cluster, config)  # the module's trainer's roles are replaced (rebuilt after)
+    corrected.cluster.run(engine_in, "bfloat16")
+    try:
+        history = corrected.fit(30, progress=False)
+    finally:
+        corrected.cluster.run(engine_in, "float32")
     first, last = history["reward/mean"].head(5).mean(), history["reward/mean"].tail(5).mean()
     assert last > first + 0.2, f"mean reward went {first:.3f} -> {last:.3f}"
     weights = history["rollout_correction/weight/min"].min(), history["rollout_correction/weight/max"].max()
@@ -479,7 +502,7 @@ def test_bypass_skips_the_old_logprob_forward_with_several_optimizer_steps(train
     config = rlkit.GRPOConfig(model="tiny", seed=0, prompts_per_step=4, group_size=4, mini_batches=2, ppo_epochs=2,
                               recompute_logprobs=False, rollout=rlkit.RolloutConfig(max_new_tokens=6),
                               rollout_correction=correction)  # fmt: skip
-    bypass = rlkit.Trainer(trainer.cluster, config)  # the module's trainer is done with: its engines are replaced
+    bypass = rlkit.Trainer(trainer.cluster, config)  # the module's trainer's roles are replaced (rebuilt after)
     batch = bypass.advantages(bypass.score(bypass.rollout()))
     assert batch.old_logprobs is None
     stats = bypass.update(batch)
