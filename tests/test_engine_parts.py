@@ -4,6 +4,7 @@ the shared weight buffers and the engine-side direct-copy plan (checked against 
 import logging
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -258,3 +259,21 @@ def test_a_sleeping_vllm_engine_sleeps_again_when_the_read_fails():
     with pytest.raises(ValueError, match="a probe failed"), engine.weights_awake():
         raise ValueError("a probe failed")
     assert engine.llm.asleep == {"weights", "kv_cache"} and engine.llm.calls[-1] == "sleep 1"
+
+
+def test_the_engine_s_processes_leave_out_multiprocessing_s_resource_tracker():
+    """The resource tracker a worker starts with its first shared memory lives until the worker exits: counted as
+    the engine's, close() waited for it in vain and left the engine's shared memory behind (tests/test_vllm_tp.py)."""
+    from multiprocessing import shared_memory
+
+    from rlkit.rollout.vllm import _descendants
+
+    block = shared_memory.SharedMemory(create=True, size=16)
+    try:
+        helpers = [p for p in psutil.Process().children(recursive=True)
+                   if "multiprocessing.resource_tracker" in " ".join(p.cmdline())]  # fmt: skip
+        assert helpers, "no resource tracker started"
+        assert not {p.pid for p in helpers} & {p.pid for p in _descendants()}
+    finally:
+        block.close()
+        block.unlink()

@@ -345,10 +345,22 @@ def _max_lora_rank(rank: int) -> int:
 
 
 def _descendants() -> list[psutil.Process]:
-    """This process's descendants. Those that appear while the engine starts are its processes: vLLM titles them
-    ``VLLM::EngineCore``, ``VLLM::Worker``... only where the optional setproctitle is installed (on a GPU image
-    without it they read ``python3 -B -c from multiprocessing.spawn import spawn_main ...``)."""
-    return psutil.Process().children(recursive=True)
+    """This process's descendants, less multiprocessing's own helpers (its resource tracker lives as long as this
+    process and unlinks what it leaked when it exits: not the engine's to wait for or kill). Those that appear while
+    the engine starts are its processes: vLLM titles them ``VLLM::EngineCore``, ``VLLM::Worker``... only where the
+    optional setproctitle is installed (on a GPU image without it they read ``python3 -B -c from
+    multiprocessing.spawn import spawn_main ...``)."""
+    return [p for p in psutil.Process().children(recursive=True) if not _is_multiprocessing_helper(p)]
+
+
+def _is_multiprocessing_helper(process: psutil.Process) -> bool:
+    """Whether ``process`` is multiprocessing's resource tracker or fork server (a child of whichever process used
+    shared memory or semaphores first, alive until that process exits)."""
+    try:
+        command = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    return "multiprocessing.resource_tracker" in command or "multiprocessing.forkserver" in command
 
 
 def _shared_memory_files(processes: list[psutil.Process]) -> set[str]:
