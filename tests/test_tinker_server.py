@@ -64,8 +64,11 @@ def server(cluster):
 
 @pytest.fixture(scope="module")
 def service(server):
-    """The SDK's session that owns the training client (another live session's create_model is refused)."""
-    return tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+    """The SDK's session that owns the training client (another live session's create_model is refused); closed
+    with the module, or its heartbeats would go on failing once the server is gone."""
+    client = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+    yield client
+    client.close("success").result(timeout=30)
 
 
 @pytest.fixture(scope="module")
