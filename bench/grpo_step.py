@@ -224,8 +224,15 @@ def main() -> None:
         args.device_memory_gib = args.device_memory_gib or dx.visible_gpu_memory_gib()
         if args.device_memory_gib is None:
             raise SystemExit("--estimate-only: no GPU visible (nvidia-smi); give the device's --device-memory-gib")
-        estimate = memory_estimate(run_config(args, "tiny"), args, args.device_memory_gib)
-        print(estimate, estimate_findings(estimate), sep="\n")
+        shape = {"model_type": "qwen2", **SHAPES[args.shape]}
+        try:
+            plan = dx.plan_run(run_config(args, "tiny"), shape, world_size=args.world_size, device="cuda",
+                               device_memory_gib=args.device_memory_gib,
+                               host_memory_gib=args.host_memory_gib or dx.host_memory()[1])  # fmt: skip
+        except rlkit.ConfigError as err:
+            raise SystemExit(f"--estimate-only: {err}") from None
+        estimate = memory_estimate(plan.config, args, args.device_memory_gib)
+        print(plan.line, estimate, estimate_findings(estimate), sep="\n")
         return
     model_dir = build_model_dir(args.shape, args.root)
     prompts = digit_prompts(args.prompts * 4, args.prompt_len)
@@ -233,6 +240,7 @@ def main() -> None:
     profile = None
     with rlkit.launch(world_size=args.world_size, device=args.device) as cluster:
         trainer = rlkit.Trainer(cluster, config, reward_fn=random_rewards, prompts=prompts)
+        config = trainer.config  # the memory plan's: what the run measures
         if lengths:
             cluster.run(force_lengths, lengths)
         if args.bare_vllm:
@@ -248,7 +256,8 @@ def main() -> None:
         args.device_memory_gib = device_gib if math.isfinite(device_gib) else None  # the record holds the card's
         n_params = _param_count(model_dir)
         figures = {**summarize(history, n_params, config, args, peak_gib), "n_params": n_params,
-                   "engine_state": cluster.run(engine_state)[0], "config": config.to_dict()}
+                   "engine_state": cluster.run(engine_state)[0], "config": config.to_dict(),
+                   "memory_plan": trainer.plan.line}
         if args.bare_vllm:
             figures["bare_start"] = bare_start
             compare_with_bare(figures, history, bare_calls, cluster, args)
@@ -277,6 +286,7 @@ def report(figures: dict, n_params: int, args, profile: dict[str, str] | None) -
         if isinstance(value, float) and not key.endswith("_s"):
             print(f"  {key:<24}{value:>12.4g}")
     print(f"  engine                  {figures['engine_state']}")
+    print(f"  {figures['memory_plan']}")
     if "bare_vllm" in figures:
         print(f"  bare vLLM generate      {describe(figures['bare_vllm']['generate'])}")
         print(f"  rlkit / bare (generate) {describe_ratio(figures['generate_over_bare'])}")

@@ -90,16 +90,12 @@ RANKS = {"grpo": 2, "ppo": 1, "dpo": 2}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """GRPO (3 steps, checkpoints, TensorBoard, two reward terms, a pretended 0.01 GiB GPU for the memory
-    warning), PPO (1 step on 1 rank, vLLM's engine, the default folder under the working directory, a subprocess:
-    what a terminal shows) and DPO (3 steps, held-out pairs scored before training and every 2 steps)."""
-    import rlkit.cli.train
-
+    """GRPO (3 steps, checkpoints, TensorBoard, two reward terms), PPO (1 step on 1 rank, vLLM's engine, the
+    default folder under the working directory, a subprocess: what a terminal shows) and DPO (3 steps, held-out
+    pairs scored before training and every 2 steps)."""
     root = tmp_path_factory.mktemp("cli")
     done = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rlkit.cli.train, "visible_gpu_memory_gib", lambda: 0.01)
-        done["grpo"] = (root / "grpo", *train(str(write(root, "grpo.toml", GRPO)), "--output-dir", str(root / "grpo")))
+    done["grpo"] = (root / "grpo", *train(str(write(root, "grpo.toml", GRPO)), "--output-dir", str(root / "grpo")))
     engine = "vllm" if VLLM else "hf"
     ppo = write(root, "ppo.toml", 'algorithm = "ppo"\nmodel = "tiny"\nsteps = 1\nprompts_per_step = 4\n'
                                   f'[rollout]\nmax_new_tokens = 6\nengine = "{engine}"\n')  # fmt: skip
@@ -157,7 +153,6 @@ def test_steps_print_one_compact_line_each_with_every_reward_term(runs):
     assert re.search(r"^   0 +val: reward \d\.\d{3}", out, re.M)  # and before training: step 0
     assert history["val/reward/mean"].notna().tolist() == [True, False, True, False]
     assert "[rank" not in out and "INFO" not in out + err, "worker and info lines stay in the logs"
-    assert "memory-will-not-fit" in err and "fix:" in err  # the pretended 0.01 GiB GPU: warned before launch
     assert re.search(r"^done: 3 steps, \d+s; mean reward \S+ \(first step\) -> \S+ \(last\)$", out, re.M)
     ppo_out = runs["ppo"][2]
     assert re.search(r"^done: 1 step, \d+s; mean reward -?\d\.\d{3}$", ppo_out, re.M)  # no "first 3 steps"
@@ -344,3 +339,33 @@ def test_settings_of_the_wrong_type_are_named_before_launch(tmp_path, monkeypatc
         toml.write_text(f"[lora]\nrank = {value}\n")
         code, out, err = train(str(toml), "--output-dir", str(tmp_path / "run"))
         assert code == 2 and "lora.rank=" in err and "must be an integer" in err, err
+
+
+@pytest.mark.parametrize("gib, launches", [(0.01, False), (80.0, True)])
+def test_on_gpus_the_memory_plan_is_printed_or_the_run_refused_before_launch(tmp_path, monkeypatch, gib, launches):
+    """A pretended GPU of ``gib``: too small for any plan, an error with the reason, exit 2, nothing launched (it was
+    a warning, then an out-of-memory); large enough, the plan's line is in the start summary, then the launch."""
+    import rlkit.cli.train
+
+    class Launched(Exception):
+        pass
+
+    def launch(**kwargs):
+        raise Launched
+
+    monkeypatch.setattr(rlkit.cli.train, "visible_gpu_memory_gib", lambda: gib)
+    monkeypatch.setattr(rlkit.cli.train, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(rlkit.cli.train, "launch", launch)
+    toml = tmp_path / "c.toml"
+    toml.write_text('model = "tiny"\nprompts_per_step = 4\n[rollout]\nmax_new_tokens = 8\n')
+    if not launches:
+        code, out, err = train(str(toml), "--output-dir", str(tmp_path / "run"), "--world-size", "1")
+        assert code == 2 and "Traceback" not in err, err
+        assert "does not fit however its unset memory settings are planned" in err and "0.0 GiB" in err, err
+        assert not (tmp_path / "run").exists()
+        return
+    out = io.StringIO()
+    with pytest.raises(Launched), contextlib.redirect_stdout(out):
+        main(["train", str(toml), "--output-dir", str(tmp_path / "run"), "--world-size", "1"])
+    assert re.search(r"^memory plan for a 80\.0 GiB device: peak \d+\.\d GiB in '\w+'; .*fsdp\.compile=True",
+                     out.getvalue(), re.M), out.getvalue()

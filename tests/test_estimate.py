@@ -151,8 +151,8 @@ def test_units_are_kept_gathered_where_the_step_then_fits_with_room():
     assert not dx.estimate_memory(SMALL, s, device_memory_gib=tight).keep_unsharded
     cfg = rlkit.GRPOConfig(prompts_per_step=2, group_size=2, micro_batch_size=2,
                            rollout=rlkit.RolloutConfig(max_new_tokens=8), data={"max_prompt_tokens": 8})
-    assert dx.keeps_unsharded(cfg, SMALL, world_size=1, device_memory_gib=80, compute_dtype="bf16")
-    assert not dx.keeps_unsharded(cfg, SMALL, world_size=1, device_memory_gib=tight, compute_dtype="bf16")
+    assert dx.rank_estimate(cfg, SMALL, world_size=1, device_memory_gib=80, compute_dtype="bf16").keep_unsharded
+    assert not dx.rank_estimate(cfg, SMALL, world_size=1, device_memory_gib=tight, compute_dtype="bf16").keep_unsharded
 
 
 def test_a_token_budget_counts_whole_padded_rows_unless_packed():

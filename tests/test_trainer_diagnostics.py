@@ -87,6 +87,15 @@ def test_trainer_diagnostics_after_a_step(trainer, model_dir):
     assert len(trainer.lint()) == 0, str(trainer.lint())
 
 
+def test_the_plan_and_the_estimate_of_a_cpu_run(trainer):
+    """On CPU nothing is sized and the unset switches run off; the estimate is a GPU's, so it wants a size."""
+    assert "CPU cluster, nothing sized" in trainer.plan.line and trainer.config.fsdp.compile is False
+    est = trainer.estimate(device_memory_gib=79.2)
+    assert est.fits and est.setting.device_memory_gib == 79.2 and est.setting.world_size == 2
+    with pytest.raises(ValueError, match="give device_memory_gib"):
+        trainer.estimate()
+
+
 def break_sync_on_rank1() -> None:
     from rlkit.runtime import local_instance
     from rlkit.workers import PolicyWorker

@@ -164,17 +164,20 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
             diagnostics.check_launch(config, world_size, args.device, nodes=nodes, node_gpus=gpus)
         data = load_run_data(config, tokenizer, base_dir=_base_dir(args))  # every file and reward, before launch
     gpu_gib = visible_gpu_memory_gib() if args.device != "cpu" else None
-    if gpu_gib is not None:  # GPUs: will it fit? (the estimate, before anything loads)
+    plan_line = ""
+    if gpu_gib is not None:  # GPUs: will it fit? (the plan, before anything loads: ConfigError if nothing fits)
         _, host_gib = diagnostics.host_memory()  # this machine's, for the ranks it launches (torchrun: its node's)
-        per_host = max(Counter(nodes).values()) if nodes else world_size
-        findings = diagnostics.preflight(config, resolve_model_dir(config.model), world_size=world_size,
-                                         device_memory_gib=gpu_gib, host_memory_gib=host_gib,
-                                         ranks_per_host=per_host)  # fmt: skip
+        sizes: dict[str, Any] = dict(world_size=world_size, device_memory_gib=gpu_gib, host_memory_gib=host_gib,
+                                     ranks_per_host=max(Counter(nodes).values()) if nodes else world_size)
+        model_dir = resolve_model_dir(config.model)
+        plan = diagnostics.plan_run(config, model_dir, device="cuda", **sizes)
+        plan_line = plan.line
+        findings = diagnostics.preflight(plan.config, model_dir, **sizes)
         if findings.items:
             print(f"warning: {findings}", file=sys.stderr, flush=True)
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])
     terms += [ENVIRONMENT_TERM] if data.agent is not None and data.agent.environment is not None else []
-    summary = "\n".join(line for line in (data.summary(), describe_lora(config)) if line)
+    summary = "\n".join(line for line in (data.summary(), describe_lora(config), plan_line) if line)
     lines = rl_lines(terms, agent=data.agent is not None, mismatch=_gap_shown(config),
                      correction=config.rollout_correction.enabled)  # fmt: skip
     return Run(config, summary, partial(Trainer, config=config), partial(_resume, Trainer, config), lines,

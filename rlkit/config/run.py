@@ -63,7 +63,9 @@ class RLConfig:
     """Token-budget micro-batches: each forward/backward (the update's, and the scoring passes': old and reference
     log-probs, the critic's values, the reward model) takes rows of at most this many real tokens (prompt +
     response), as few micro-batches as fit, the same number on every rank, tokens balanced across them; 0 counts
-    sequences (micro_batch_size). Must hold the longest row: >= data.max_prompt_tokens + rollout.max_new_tokens."""
+    sequences (micro_batch_size), unless a packed run on GPUs does not fit that way: the memory plan
+    (rlkit.diagnostics.plan) then sets the largest budget that fits. Must hold the longest row: >=
+    data.max_prompt_tokens + rollout.max_new_tokens."""
     recompute_logprobs: bool = True
     """Score each rollout with the actor before the update (a forward pass over every sample) for the
     PPO ratio's old log-probs, ``batch.logprobs`` and the rollout log-prob gap. With one optimizer step

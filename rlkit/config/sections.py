@@ -73,11 +73,14 @@ class RolloutConfig:
     max_logprob_gap: float = 0.1
     """Warn when the mean ``|trainer - engine|`` log-prob of the sampled tokens exceeds this (nats); a weight
     sync that did not take shows up here. Same-precision engines stay near 1e-6 (fp32) or 1e-2 (bf16). 0: never."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | None = None
     """vllm on GPU: fraction of the GPU's memory the engine may take for weights, activations and KV cache,
-    in (0, 1]; the FSDP actor shares the GPU, so leave it room."""
+    in (0, 1]; the FSDP actor shares the GPU, so leave it room. None (GRPO/PPO): planned before launch
+    (rlkit.diagnostics.plan): the KV cache sized to the step's rollout, every completion at its longest plus 25%,
+    and this share set to hold it; elsewhere (the Tinker server) 0.5."""
     kv_cache_gb: float = 0.0
-    """vllm: KV cache size in GiB; 0 sizes it from gpu_memory_utilization on GPU, and takes 1 GiB on CPU."""
+    """vllm: KV cache size in GiB; 0 sizes it from gpu_memory_utilization (or, that unset too, from the rollout's
+    shape: see gpu_memory_utilization) on GPU, and takes 1 GiB on CPU."""
     engine_logprobs: float = 0.125
     """vllm: fraction of each rank's prompts (whole groups, evenly spaced) whose completions come back with the
     engine's log-probs, in [0, 1]. They feed only the trainer-vs-engine gap check and the rollout table (the
@@ -118,8 +121,9 @@ class RolloutConfig:
         )
         need(
             p,
-            0 < self.gpu_memory_utilization <= 1,
-            f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1], e.g. 0.5",
+            self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+            f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1], e.g. 0.3, or unset "
+            "(sized from the rollout)",
         )
         need(p, self.kv_cache_gb >= 0, f"{prefix}.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0 = automatic)")
         need(
@@ -178,6 +182,9 @@ class RolloutConfig:
 
 
 ENGINES = ("hf", "vllm")
+UNPLANNED_GPU_MEMORY_UTILIZATION = 0.5
+"""vLLM's share of the GPU where ``rollout.gpu_memory_utilization`` is unset and no plan sized it (the Tinker
+server, whose sampling calls have no fixed shape)."""
 SLEEP_MODES = ("auto", "always", "never")
 LORA_SYNCS = ("merged", "adapter")
 
@@ -225,15 +232,19 @@ class FSDPConfig:
     """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
     backward_prefetch: str = "pre"
     """FSDP1's backward prefetch: "pre", "post" or "none" (FSDP2 always prefetches the next layer: only "pre")."""
-    cpu_offload: bool = False
-    """Keep parameters, gradients and optimizer state on the CPU between uses (GPU only)."""
-    activation_checkpointing: bool = False
+    cpu_offload: bool | None = None
+    """Keep parameters, gradients and optimizer state on the CPU between uses (GPU only). None (unset): off,
+    unless a GRPO/PPO run on GPUs fits no other way (rlkit.diagnostics.plan, the last resort)."""
+    activation_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic):
-    activation memory drops from one set per layer to one layer's, for about a third more compute."""
-    compile: bool = False
+    activation memory drops from one set per layer to one layer's, for about a third more compute. None (unset):
+    off, unless a GRPO/PPO run on GPUs does not fit without it (rlkit.diagnostics.plan)."""
+    compile: bool | None = None
     """``torch.compile`` each decoder layer's forward (after activation checkpointing, before sharding, as
     torchtitan orders them) and the fused LM head's per-chunk softmax math; the first steps pay the
-    compile time (and a recompile or two as packed lengths vary). FSDP2 only."""
+    compile time (and a recompile or two as packed lengths vary). FSDP2 only. None (unset): on for GRPO/PPO
+    with FSDP2 on GPUs (measured faster with the same loss: docs/BENCHMARKS.md), off on CPUs, with FSDP1 and for
+    DPO/KTO and the Tinker server (not measured there)."""
     kernels: str = "torch"
     """"torch" (the model's own code) or "liger": Liger Kernel's fused Triton RMSNorm, SwiGLU and rotary
     embedding swapped into each decoder layer before sharding (``pip install 'rlkit[kernels]'``; CUDA only;

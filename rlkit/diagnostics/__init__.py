@@ -18,6 +18,7 @@ Before launch, from the config alone (no cluster)::
     check_launch(cfg, world_size=8, device="cuda")   # ConfigError: the config against the cluster, the model's family
     estimate_memory(config_json, world_size=8, device_memory_gib=139.8, ...)   # per-phase peak, fixes
     preflight(cfg, world_size=8, device_memory_gib=139.8)                      # Findings: memory-will-not-fit
+    plan_run(cfg, world_size=8, device="cuda", device_memory_gib=139.8)        # the unset settings chosen to fit
 """
 
 from rlkit.diagnostics.agreement import checksum
@@ -37,7 +38,8 @@ from rlkit.diagnostics.memory import (
 )
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
 from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
-from rlkit.diagnostics.preflight import check_launch, estimate_for, keeps_unsharded, memory_setting, preflight
+from rlkit.diagnostics.plan import MemoryPlan, plan_run
+from rlkit.diagnostics.preflight import check_launch, estimate_for, memory_setting, preflight, rank_estimate
 from rlkit.diagnostics.scaling import memory_scaling
 from rlkit.diagnostics.sharding import Sharding, sharding
 
@@ -49,6 +51,7 @@ __all__ = [
     "GradReport",
     "MemoryEstimate",
     "MemoryMark",
+    "MemoryPlan",
     "MemorySetting",
     "MemoryTracker",
     "MismatchReport",
@@ -62,7 +65,6 @@ __all__ = [
     "grad_norms",
     "grad_report",
     "inspect",
-    "keeps_unsharded",
     "lint",
     "device_memory_gib",
     "host_memory",
@@ -73,6 +75,8 @@ __all__ = [
     "memory_setting",
     "memory_table",
     "mismatch_report",
+    "plan_run",
     "preflight",
+    "rank_estimate",
     "sharding",
 ]

@@ -98,6 +98,9 @@ class MemoryEstimate:
     keep_unsharded: bool = False
     """Whether the update keeps FSDP's units gathered through an optimizer step's micro-batches (the setting's
     ``keep_unsharded``, resolved: when None, kept where the step then leaves AWAKE_HEADROOM of the device free)."""
+    engine_awake: bool = False
+    """Whether vLLM stays awake through scoring and the update (``engine_sleep``, resolved: "auto" stays awake
+    where the whole step then leaves AWAKE_HEADROOM of the device free)."""
 
     @property
     def peak_phase(self) -> str:
@@ -126,6 +129,13 @@ class MemoryEstimate:
         """What the host holds stays within (1 - :data:`HOST_HEADROOM`) of its memory (True where not checked)."""
         total = self.setting.host_memory_gib
         return not total or sum(self.host_gib.values()) <= (1 - HOST_HEADROOM) * total
+
+    @property
+    def trainer_bytes(self) -> int:
+        """What the trainer's process reserves at its peak after the rollout (scoring, the update, the optimizer
+        step): the allocated peak with the allocator's fragmentation; what "auto" sleep weighs the engine against."""
+        phases = [p for p in ("scoring", "update", "backward", "optimizer_step") if p in self.phases]
+        return int(max(self.allocated_gib(p) for p in phases) * (1 + FRAGMENTATION) * GiB)
 
     def allocated_gib(self, phase: str | None = None) -> float:
         """What ``torch.cuda.max_memory_allocated`` in the trainer's process should read at ``phase`` (default:
@@ -253,7 +263,7 @@ def _estimate(shape: ModelShape, setting: MemorySetting) -> MemoryEstimate:
         awake = _estimate(shape, dataclasses.replace(setting, engine_sleep="never"))
         stays = awake.peak_gib <= room
         chosen = awake if stays else _estimate(shape, dataclasses.replace(setting, engine_sleep="always"))
-        return dataclasses.replace(chosen, setting=setting)
+        return dataclasses.replace(chosen, setting=setting, engine_awake=stays)
     if setting.keep_unsharded is None:
         kept = _estimate(shape, dataclasses.replace(setting, keep_unsharded=setting.can_keep_unsharded))
         keep = kept.keep_unsharded and kept.peak_gib <= room
@@ -265,7 +275,9 @@ def _estimate(shape: ModelShape, setting: MemorySetting) -> MemoryEstimate:
         in_process = sum(gib.values()) - (gib["engine"] if setting.engine == "vllm" else 0.0)
         gib["rest"] = CUDA_CONTEXT_GIB + FRAGMENTATION * in_process
         phases[phase] = gib
-    return MemoryEstimate(shape=shape, setting=setting, phases=phases, keep_unsharded=bool(setting.keep_unsharded))
+    never_sleeps = setting.engine == "vllm" and setting.engine_sleep == "never"
+    return MemoryEstimate(shape=shape, setting=setting, phases=phases, keep_unsharded=bool(setting.keep_unsharded),
+                          engine_awake=never_sleeps)
 
 
 def _with(est: MemoryEstimate, **changes: Any) -> MemoryEstimate:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlkit.config import ConfigError
+from rlkit.config.sections import UNPLANNED_GPU_MEMORY_UTILIZATION
 from rlkit.config.typed import type_problems
 from rlkit.diagnostics import rules
 from rlkit.diagnostics.estimate import MemoryEstimate, estimate_memory
@@ -55,9 +56,9 @@ def memory_setting(
         reduce_dtype=fsdp.reduce_dtype,
         reshard_after_forward=fsdp.reshard_after_forward,
         fsdp_version=fsdp.version,
-        cpu_offload=fsdp.cpu_offload,
-        activation_checkpointing=fsdp.activation_checkpointing,
-        compiled_layers=fsdp.compile,
+        cpu_offload=bool(fsdp.cpu_offload),  # unset: off until a plan says otherwise
+        activation_checkpointing=bool(fsdp.activation_checkpointing),
+        compiled_layers=bool(fsdp.compile),
         prompt_tokens=config.data.max_prompt_tokens,
         response_tokens=rollout.max_new_tokens,
         samples_per_step=config.samples_per_step,
@@ -71,7 +72,7 @@ def memory_setting(
         recompute_logprobs=config.recompute_logprobs,
         entropy_bonus=config.entropy_coef > 0,
         engine=rollout.engine,
-        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        gpu_memory_utilization=_share(rollout.gpu_memory_utilization),
         kv_cache_gib=rollout.kv_cache_gb,
         engine_sleep=rollout.sleep,
         lora_rank=config.lora.rank,
@@ -80,6 +81,10 @@ def memory_setting(
         host_memory_gib=host_memory_gib,
         ranks_per_host=ranks_per_host,
     )
+
+
+def _share(gpu_memory_utilization: float | None) -> float:
+    return UNPLANNED_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
 
 
 def estimate_for(
@@ -100,19 +105,20 @@ def estimate_for(
     return estimate_memory(config.model if model_config is None else model_config, setting)
 
 
-def keeps_unsharded(
+def rank_estimate(
     config: RLConfig,
     model_config: ModelShape | Mapping | str | Path | Any,
     *,
     world_size: int,
     device_memory_gib: float,
     compute_dtype: str,
-) -> bool:
-    """Whether the policy update keeps FSDP's units gathered through an optimizer step's micro-batches
-    (``rlkit.fsdp.accumulate``): the estimate's decision for ``config`` computing in ``compute_dtype``
-    ("bf16" or "fp32", what the rank uses: fp32 on CPU)."""
+) -> MemoryEstimate:
+    """The estimate a rank acts on: ``config`` computing in ``compute_dtype`` ("bf16" or "fp32", what the rank uses:
+    fp32 on CPU). Its ``keep_unsharded`` says whether the policy update keeps FSDP's units gathered through an
+    optimizer step's micro-batches (``rlkit.fsdp.accumulate``), its ``engine_awake`` and ``trainer_bytes`` whether
+    vLLM stays awake from the first update (``rlkit.rollout.sleep``)."""
     setting = memory_setting(config, world_size=world_size, device_memory_gib=device_memory_gib)
-    return estimate_memory(model_config, dataclasses.replace(setting, compute_dtype=compute_dtype)).keep_unsharded
+    return estimate_memory(model_config, dataclasses.replace(setting, compute_dtype=compute_dtype))
 
 
 def preflight(

@@ -117,7 +117,7 @@ def _apply_fsdp1(model: torch.nn.Module, mesh: DeviceMesh, config: FSDPConfig) -
             param_dtype=compute, reduce_dtype=DTYPES[config.reduce_dtype], cast_forward_inputs=frozen
         ),
         backward_prefetch=prefetch[config.backward_prefetch],
-        cpu_offload=CPUOffload(offload_params=config.cpu_offload),
+        cpu_offload=CPUOffload(offload_params=bool(config.cpu_offload)),
         device_id=device,
         device_mesh=mesh if config.sharding == "hybrid" else None,
         use_orig_params=True,

@@ -18,7 +18,6 @@ import os
 import shutil
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from rlkit.trainer.advantages import estimate_advantages
 from rlkit.trainer.assemble import assemble_batch, critic_rows, policy_rows, tokenize_prompts
 from rlkit.trainer.base import PolicyTrainerBase
 from rlkit.trainer.evaluation import evaluate_prompts
+from rlkit.trainer.memory_plan import estimate_on_cluster, findings_on_cluster, plan_on_cluster
 from rlkit.trainer.metrics import logprob_gap_warning, step_metrics
 from rlkit.trainer.mismatch import GapFloor, certify_rows, gap_floor, probe
 from rlkit.trainer.model_reward import ModelReward
@@ -87,13 +87,17 @@ class Trainer(PolicyTrainerBase):
         environment: Callable[[], Any] | None = None,
     ):
         diagnostics.check_launch(config, cluster.world_size, cluster.device, nodes=list(cluster.status()["host"]))
-        self.config: RLConfig = config
         self.model_dir = resolve_model_dir(config.model)
+        self.plan = plan_on_cluster(cluster, config, self.model_dir)
+        """The settings ``config`` left unset, chosen to fit these devices (rlkit.diagnostics.plan)."""
+        config = self.plan.config
+        self.config: RLConfig = config
         self.tokenizer = load_tokenizer(self.model_dir, trust_remote_code=config.trust_remote_code)
         run = load_run_data(config, self.tokenizer, prompts=prompts, val_prompts=val_prompts, reward_fn=reward_fn,
                             tools=list(tools or []), environment=environment)  # fmt: skip
         self._start_run(cluster, config)  # after the data checks: a config that cannot run opens no tracker run
         logger.info("%s", run.summary())
+        logger.info("%s", self.plan.line)
         self._prompts, self._val, self._rewards, self.agent = run.train, run.val, run.rewards, run.agent
         self._position = self._prompts.state_dict()
         """The prompt position after the last completed step: what a checkpoint keeps (a failed step's draw not)."""
@@ -422,15 +426,13 @@ class Trainer(PolicyTrainerBase):
 
     def _memory_findings(self) -> diagnostics.Findings:
         """The preflight memory estimate's findings for this config on this cluster's GPUs (none on CPU)."""
-        if self.cluster.device != "cuda":
-            return diagnostics.Findings([])
-        gib = min(self.cluster.run(diagnostics.device_memory_gib))
-        hosts = self.cluster.run(diagnostics.host_memory)  # (name, GiB) per rank
-        return diagnostics.preflight(
-            self.config, self.model_dir, world_size=self.cluster.world_size, device_memory_gib=gib,
-            host_memory_gib=min(total for _, total in hosts),
-            ranks_per_host=max(Counter(name for name, _ in hosts).values()),
-        )
+        return findings_on_cluster(self.cluster, self.config, self.model_dir)
+
+    def estimate(self, device_memory_gib: float | None = None) -> diagnostics.MemoryEstimate:
+        """The memory estimate of this run (its planned settings) on this cluster's GPUs, or on devices of
+        ``device_memory_gib`` (on a CPU cluster: give it, e.g. 79.2 for an H100): each phase's GiB by term, the
+        peak, whether vLLM stays awake through the update (``engine_awake``) and, where it does not fit, the fixes."""
+        return estimate_on_cluster(self.cluster, self.config, self.model_dir, device_memory_gib)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -90,7 +90,10 @@ class PolicyWorker(ActorRole):
         )
         self.calls = None if agent is None else CallRunner()  # after the engine: its thread is not forked with it
         """The event loop of every rollout's tool calls and environment methods on this worker."""
-        self.actor.keep_unsharded = _keeps_unsharded(config, self.actor.model, self.world_size, self.device)
+        estimate = _rank_estimate(config, self.actor.model, self.world_size, self.device)
+        self.actor.keep_unsharded = estimate is not None and estimate.keep_unsharded
+        if estimate is not None and estimate.engine_awake and hasattr(self.engine, "sleep_policy"):
+            self.engine.sleep_policy.expect(estimate.trainer_bytes)  # awake from the first update, as planned
         self.engine_synced_at = 0
         """The optimizer step whose weights the engine holds (it starts with the model directory's, step 0)."""
         engine_model = getattr(self.engine, "model", None)
@@ -374,14 +377,17 @@ def _trajectory_fields(gen: Generation) -> dict:
     }
 
 
-def _keeps_unsharded(config: RLConfig, model: torch.nn.Module, world_size: int, device: torch.device) -> bool:
-    """The memory estimate's decision whether the update keeps FSDP's units gathered through an optimizer step
-    (on a CPU the host's memory stands for the device's); False for models the estimate cannot read."""
+def _rank_estimate(
+    config: RLConfig, model: torch.nn.Module, world_size: int, device: torch.device
+) -> diagnostics.MemoryEstimate | None:
+    """The memory estimate this rank acts on (on a CPU the host's memory stands for the device's): whether the
+    update keeps FSDP's units gathered through an optimizer step, whether vLLM stays awake; None for models the
+    estimate cannot read."""
     gib = diagnostics.device_memory_gib() if device.type == "cuda" else psutil.virtual_memory().total / 2**30
     dtype = "bf16" if param_dtype(config.fsdp, device.type) == torch.bfloat16 else "fp32"
     try:
-        return diagnostics.keeps_unsharded(config, model.config, world_size=world_size, device_memory_gib=gib,
-                                           compute_dtype=dtype)
+        return diagnostics.rank_estimate(config, model.config, world_size=world_size, device_memory_gib=gib,
+                                         compute_dtype=dtype)
     except ValueError as err:  # a model config without a decoder's sizes
         logger.info("the update reshards FSDP's units every micro-batch: no memory estimate for this model (%s)", err)
-        return False
+        return None
