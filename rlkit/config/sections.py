@@ -99,9 +99,10 @@ class RolloutConfig:
     a small sync, slower generation). bench/lora_sync.py measures both."""
     sleep: str = "auto"
     """vllm on GPU: whether the engine releases its memory (sleep mode) while the actor trains. "always": every
-    step; "never": stays resident (the actor must fit beside gpu_memory_utilization of the device); "auto": sleeps
-    through the first step, then stays awake while the device, with the engine awake, has room for what the
-    trainer's process held at the end of its last update plus 10% of the device. No-op on CPU (no sleep mode)."""
+    step; "never": stays resident (the actor must fit beside gpu_memory_utilization of the device); "auto": stays
+    awake while the device, with the engine awake, has room for what the trainer's process needs at its update
+    (before the first update the memory estimate's figure, then the measured one) plus 10% of the device, and
+    sleeps otherwise. No-op on CPU (no sleep mode)."""
 
     def problems(self, prefix: str = "rollout") -> list[str]:
         p: list[str] = []
