@@ -141,7 +141,9 @@ class BareVLLM:
         self.start_s = time.perf_counter() - start
         if lengths:
             self.llm.generate = ForcedLengths(self.llm.generate, lengths)
-        self.llm.generate(self.prompts[:2], sampling_params(group, response_len, False), use_tqdm=False)  # warm-up
+        # warm-up, with log-probs on one prompt: vLLM compiles their rank kernel at its first use (2 s on a CPU),
+        # which would otherwise land in the first timed call that asks for log-probs
+        self.llm.generate(self.prompts[:2], mixed_params(2, group, response_len, 0.5), use_tqdm=False)
         self.sleep_between = sleep_between
         if sleep_between:
             self.llm.sleep(level=1)

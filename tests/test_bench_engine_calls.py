@@ -89,11 +89,13 @@ def test_sampling_fields_list_a_vllm_sampling_params_fields_and_a_plain_objects_
 
 class _FakeLLM:
     made: list[dict] = []
+    warmups: list[list] = []
 
     def __init__(self, **kwargs):
         _FakeLLM.made.append(kwargs)
 
     def generate(self, prompts, params, use_tqdm=False):
+        _FakeLLM.warmups.append(params)
         return []
 
 
@@ -101,9 +103,12 @@ def test_the_bare_engine_takes_vllms_log_prob_mode_unless_told_rlkits(monkeypatc
     vllm = pytest.importorskip("vllm")
     monkeypatch.setattr(vllm, "LLM", _FakeLLM)
     _FakeLLM.made.clear()
+    _FakeLLM.warmups.clear()
     BareVLLM(Path("/nowhere"), [[1, 2, 3]], group=2, response_len=4)
     BareVLLM(Path("/nowhere"), [[1, 2, 3]], group=2, response_len=4, logprobs_mode="processed_logprobs")
     assert "logprobs_mode" not in _FakeLLM.made[0]
+    # the warm-up asks one prompt's log-probs (vLLM compiles their kernel at the first such call, not timed then)
+    assert [p.logprobs for p in _FakeLLM.warmups[0]] == [0, None]
     assert _FakeLLM.made[1]["logprobs_mode"] == "processed_logprobs"
     assert {k: v for k, v in _FakeLLM.made[1].items() if k != "logprobs_mode"} == _FakeLLM.made[0]
 
