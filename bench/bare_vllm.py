@@ -29,12 +29,16 @@ from workloads import ForcedLengths, build_model_dir, digit_prompts, workload_le
 
 DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ENGINE_FIELDS = {"scheduler_config": ("async_scheduling", "max_num_seqs", "max_num_batched_tokens",
-                                      "enable_chunked_prefill"),
-                 "cache_config": ("gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching",
-                                  "enable_sleep_mode"),
-                 "model_config": ("dtype", "max_model_len", "logprobs_mode", "enforce_eager"),
-                 "compilation_config": ("mode", "level", "cudagraph_mode")}
-"""The engine settings :func:`engine_settings` reads (where this vLLM has them), to tell two engines apart."""
+                                      "enable_chunked_prefill", "policy"),
+                 "cache_config": ("gpu_memory_utilization", "num_gpu_blocks", "kv_cache_memory_bytes", "block_size",
+                                  "cache_dtype", "enable_prefix_caching", "enable_sleep_mode"),
+                 "model_config": ("dtype", "max_model_len", "seed", "logprobs_mode", "max_logprobs", "enforce_eager",
+                                  "generation_config", "enable_sleep_mode"),
+                 "compilation_config": ("mode", "level", "cudagraph_mode", "max_cudagraph_capture_size",
+                                        "cudagraph_capture_sizes"),
+                 "parallel_config": ("tensor_parallel_size", "distributed_executor_backend", "worker_extension_cls")}
+"""The engine settings :func:`engine_settings` reads (where this vLLM has them), to tell two engines apart: every
+argument rlkit's engine passes to ``vllm.LLM`` and those of vLLM's own choosing that decide a decode step's work."""
 
 
 def sampling_params(group: int, response_len: int, logprobs: bool):
@@ -52,6 +56,12 @@ def mixed_params(prompts: int, group: int, response_len: int, fraction: float) -
     chosen = {i * prompts // count for i in range(count)} if count else set()
     with_lp, plain = sampling_params(group, response_len, True), sampling_params(group, response_len, False)
     return [with_lp if i in chosen else plain for i in range(prompts)]
+
+
+def sampling_fields(params) -> dict[str, str]:
+    """Every field of a ``vllm.SamplingParams`` (a msgspec struct, or a plain object in older vLLMs) as text."""
+    names = getattr(type(params), "__struct_fields__", None) or sorted(vars(params))
+    return {name: str(getattr(params, name)) for name in names if not name.startswith("_")}
 
 
 def engine_settings(llm) -> dict[str, object]:
@@ -105,10 +115,11 @@ class BareVLLM:
 
     def __init__(self, model_dir: Path, prompt_ids: list[list[int]], *, group: int, response_len: int,
                  lengths: list[int] | None = None, gpu_memory_utilization: float = 0.15, gpu: str | None = None,
-                 sleep_between: bool = False):
+                 sleep_between: bool = False, logprobs_mode: str | None = None):
         """``sleep_between`` (GPU): the engine frees its memory between calls, woken and put back outside the
         timed call, so that beside rlkit's engine it takes none of the memory rlkit's ``rollout.sleep="auto"``
-        decides by (resident, 0.15 of an H200 made that engine sleep and its sync wake it: 0.33 s, not 0.043)."""
+        decides by (resident, 0.15 of an H200 made that engine sleep and its sync wake it: 0.33 s, not 0.043).
+        ``logprobs_mode``: vLLM's (None: its default, "raw_logprobs"); "processed_logprobs" is rlkit's."""
         from vllm import LLM
         from vllm.inputs import TokensPrompt
 
@@ -125,11 +136,14 @@ class BareVLLM:
             self.llm = LLM(model=str(model_dir), **{"dtype": "bfloat16", **cpu}, seed=0,
                            max_num_seqs=len(prompt_ids) * group, max_model_len=max(map(len, prompt_ids)) + longest,
                            enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
-                           generation_config="vllm", **({"enable_sleep_mode": True} if sleep_between else {}))
+                           generation_config="vllm", **({"enable_sleep_mode": True} if sleep_between else {}),
+                           **({"logprobs_mode": logprobs_mode} if logprobs_mode else {}))
         self.start_s = time.perf_counter() - start
         if lengths:
             self.llm.generate = ForcedLengths(self.llm.generate, lengths)
-        self.llm.generate(self.prompts[:2], sampling_params(group, response_len, False), use_tqdm=False)  # warm-up
+        # warm-up, with log-probs on one prompt: vLLM compiles their rank kernel at its first use (2 s on a CPU),
+        # which would otherwise land in the first timed call that asks for log-probs
+        self.llm.generate(self.prompts[:2], mixed_params(2, group, response_len, 0.5), use_tqdm=False)
         self.sleep_between = sleep_between
         if sleep_between:
             self.llm.sleep(level=1)

@@ -2,7 +2,7 @@
 
     python bench/grpo_step.py --shape 0.5b --world-size 1 --engine vllm [--warmup 2 --steps 8] [--beta 0.0]
         [--micro 64] [--recompute-logprobs] [--lengths varlen] [--set fsdp.cpu_offload=true ...]
-        [--bare-vllm [--breakdown-above 1.15 --breakdown-rounds 3]] [--profile] [--label NAME --json PATH]
+        [--bare-vllm [--breakdown-above 1.05 --breakdown-rounds 3]] [--profile] [--label NAME --json PATH]
 
 The workload is ``bench/workloads.py``'s (GPU.md's yardstick by default; ``--lengths varlen`` is issue 15's
 512 completions of 16-2,048 tokens, mean ~500, forced per completion in the vllm engine). One optimizer
@@ -16,8 +16,10 @@ preflight memory estimate (``rlkit.diagnostics.estimate_memory``) of each phase 
 there (``--estimate-only``: the estimate alone). ``--bare-vllm`` builds bare vLLM in rank 0's worker, beside
 rlkit's engine (``bench/engine_calls.py``), and times it on the same rollout around every step, in ABBA
 order; the ratio of rlkit's generation to it is a paired ratio (median ratio and the spread of the per-step
-ratios). When that ratio is above ``--breakdown-above``, rlkit's engine call is taken apart in the same
-call (``engine_calls.breakdown``). ``--profile`` adds one profiled step after the timed ones, never timed.
+ratios). When that ratio is above ``--breakdown-above`` (the goal, 1.05), rlkit's engine call is taken apart
+in the same call (``engine_calls.breakdown``: each cause of the difference as a paired ratio; it starts a second
+bare engine, in rlkit's log-prob mode, and adds 8 generate calls a round). ``--profile`` adds one profiled step
+after the timed ones, never timed.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config setting")
     parser.add_argument("--bare-vllm", action="store_true", help="alternate bare vLLM on the same rollout")
     parser.add_argument("--bare-memory", type=float, default=0.15, help="bare vLLM's gpu_memory_utilization")
-    parser.add_argument("--breakdown-above", type=float, default=1.15, help="take the engine call apart above this")
+    parser.add_argument("--breakdown-above", type=float, default=1.05, help="take the engine call apart above this")
     parser.add_argument("--breakdown-rounds", type=int, default=3)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
@@ -291,9 +293,14 @@ def report(figures: dict, n_params: int, args, profile: dict[str, str] | None) -
         print(f"  bare vLLM generate      {describe(figures['bare_vllm']['generate'])}")
         print(f"  rlkit / bare (generate) {describe_ratio(figures['generate_over_bare'])}")
         print(f"  engine settings that differ: {figures['engine_settings_differ']}")
-        for variant, s in figures.get("breakdown", {}).get("variants", {}).items():
-            print(f"  breakdown {variant:<14}{describe(s['s'])}; vLLM CPU {describe(s['vllm_cpu_s'])}; "
+        parts = figures.get("breakdown", {})
+        for variant, s in parts.get("variants", {}).items():
+            print(f"  breakdown {variant:<17}{describe(s['s'])}; vLLM CPU {describe(s['vllm_cpu_s'])}; "
                   f"worker CPU {describe(s['worker_cpu_s'])}")
+        for cause, ratio in parts.get("causes", {}).items():
+            print(f"  cause: {cause:<46}{describe_ratio(ratio)}")
+        for problem in parts.get("problems", []):
+            print(f"  breakdown: {problem}")
     if "estimate_vs_measured" in figures:
         print("  memory estimate (GiB per rank) against the last step's measured peaks:")
         print(pd.DataFrame(figures["memory_estimate"]).to_string())

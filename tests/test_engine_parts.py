@@ -277,3 +277,41 @@ def test_the_engine_s_processes_leave_out_multiprocessing_s_resource_tracker():
     finally:
         block.close()
         block.unlink()
+
+
+def test_an_empty_logprob_rows_asks_no_prompts_log_probs_of_any_shard():
+    from rlkit.rollout.vllm import VLLMEngine
+
+    engine = SimpleNamespace(logprob_fraction=0.5)
+    shards = [(torch.zeros(3, 2), torch.ones(3, 2)), (torch.zeros(0, 2), torch.ones(0, 2)), (torch.zeros(2, 2),) * 2]
+    none = VLLMEngine._logprob_prompts(engine, shards, ())  # type: ignore[arg-type]
+    assert [rows.tolist() for rows in none] == [[False] * 3, [], [False] * 2]
+    picked = VLLMEngine._logprob_prompts(engine, shards, None)  # type: ignore[arg-type]
+    assert [rows.tolist() for rows in picked] == [[True, True, False], [], [True, False]]  # ceil(0.5 x N)
+    with pytest.raises(ValueError, match="4 values for 5 prompts"):
+        VLLMEngine._logprob_prompts(engine, shards, (False,) * 4)  # type: ignore[arg-type]
+
+
+def test_validation_samples_ask_the_engine_for_no_log_probs():
+    """PolicyWorker.sample returns no log-probs, so it asks none (vLLM would compute them for the whole batch)."""
+    from rlkit.rollout.base import Generation, SamplingParams
+    from rlkit.workers.phases import PhaseClock
+    from rlkit.workers.policy import PolicyWorker
+
+    asked = []
+
+    def generate(ids, mask, params):
+        asked.append(params)
+        rows = len(ids) * params.n
+        return Generation(response_ids=torch.ones(rows, 4, dtype=torch.long), response_mask=torch.ones(rows, 4),
+                          logprobs=torch.full((rows, 4), float("nan")),
+                          logprob_rows=torch.zeros(rows, dtype=torch.bool), finish_reason=["length"] * rows)
+
+    worker = SimpleNamespace(clock=PhaseClock(torch.device("cpu")), device=torch.device("cpu"),
+                             config=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)),
+                             engine=SimpleNamespace(generate=generate, sleep=lambda: None),
+                             memory=SimpleNamespace(memory_mb=lambda: {}))  # fmt: skip
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3)
+    out = PolicyWorker.sample(worker, torch.ones(3, 5, dtype=torch.long), torch.ones(3, 5), params)  # type: ignore[arg-type]
+    assert asked == [SamplingParams(n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3, logprob_rows=())]
+    assert out.response_ids.shape == (6, 4) and out.finish_reason == ["length"] * 6

@@ -147,6 +147,27 @@ def test_engine_logprobs_on_a_fraction_of_the_prompts(cluster, trainer):
         assert gap < 1e-4, f"log-probs of the chosen rows differ by {gap}"
 
 
+def sample_without_logprobs(prompts: list[str]) -> dict[str, torch.Tensor]:
+    """On a worker: PolicyWorker.sample's engine call (it asks the engine for no log-probs) at temperature 1."""
+    from rlkit.models import load_tokenizer
+    from rlkit.rollout import SamplingParams
+    from rlkit.runtime import local_instance
+    from rlkit.workers import PolicyWorker
+
+    worker = local_instance(PolicyWorker)
+    enc = load_tokenizer(worker.model_dir)(prompts, padding=True, return_tensors="pt")
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=5, logprob_rows=())
+    gen = worker.engine.generate(enc["input_ids"], enc["attention_mask"], params)
+    return {"rows": gen.logprob_rows, "logprobs": gen.logprobs, "mask": gen.response_mask}
+
+
+@pytest.mark.timeout(600)
+def test_a_call_that_keeps_no_log_probs_gets_none_from_vllm(cluster, trainer):
+    for r in cluster.run(sample_without_logprobs, PROMPTS):
+        assert r["rows"].tolist() == [False] * 2 * len(PROMPTS) and r["logprobs"].isnan().all()
+        assert r["mask"][:, 0].all(), "every completion has its first token"
+
+
 @pytest.mark.timeout(600)
 def test_update_then_sync_moves_vllm_to_the_trainer(cluster, trainer):
     before = cluster.run(greedy_both, PROMPTS)[0]

@@ -30,8 +30,9 @@ class SamplingParams:
     """Seeds this call's sampling (same seed, same completions on the same engine)."""
     logprob_rows: tuple[bool, ...] | None = None
     """[N] which prompts' completions carry the engine's log-probs, where the caller picks them (a multi-turn
-    rollout keeps whole trajectories); None: the engine's own pick (vLLM: ``logprob_fraction`` of the prompts).
-    Engines that always return them (HF generate) ignore it."""
+    rollout keeps whole trajectories); ``()``: none, for a caller that keeps none (vLLM then gathers no
+    log-prob of the batch at any step and hands back no per-token values); None: the engine's own pick (vLLM:
+    ``logprob_fraction`` of the prompts). Engines that always return them (HF generate) ignore it."""
     stop_at_eos: bool = True
     """End-of-text ends a completion; False: only ``max_new_tokens`` does (Tinker's ``stop=[]``), and an
     end-of-text token sampled on the way is an ordinary token of the completion."""

@@ -183,10 +183,12 @@ class VLLMEngine:
         self, shards: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: tuple[bool, ...] | None
     ) -> list[torch.Tensor]:
         """[N_i] bool per shard: the prompts whose completions carry log-probs, ``rows`` (the shards' prompts in
-        order) where given, else ``logprob_fraction`` of each shard's own."""
+        order) where given, none for ``()``, else ``logprob_fraction`` of each shard's own."""
         sizes = [len(prompt_ids) for prompt_ids, _ in shards]
         if rows is None:
             return [logprob_prompts(size, self.logprob_fraction) for size in sizes]
+        if rows == ():
+            return [torch.zeros(size, dtype=torch.bool) for size in sizes]
         if len(rows) != sum(sizes):
             raise ValueError(f"SamplingParams.logprob_rows has {len(rows)} values for {sum(sizes)} prompts")
         return list(torch.tensor(rows, dtype=torch.bool).split(sizes))

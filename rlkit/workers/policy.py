@@ -196,8 +196,9 @@ class PolicyWorker(ActorRole):
         if len(prompt_ids) == 0 and self.config.rollout.tensor_parallel_size == 1:  # a group's engine needs every rank
             empty = torch.zeros(0, width)
             return SampleResult(response_ids=empty.long(), response_mask=empty, finish_reason=[])
+        none = dataclasses.replace(params, logprob_rows=())  # it returns no log-probs: the engine takes none
         with self.clock.timed("generate"):
-            gen = self.engine.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+            gen = self.engine.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), none)
         self.engine.sleep()
         return SampleResult(
             response_ids=gen.response_ids.cpu(),
