@@ -8,13 +8,14 @@
 #   call  carry                  command                          items
 #   d1    .whl/vllm/c0 .whl/run  bash bench/speed_session.sh d1   TRL install; model folders; TRL HF 0.5B
 #   d2    .whl/vllm/c1           bash bench/speed_session.sh d2   TRL HF 1.5B (its default gradient checkpointing)
-#   d3    .whl/vllm/c2           bash bench/speed_session.sh d3   LoRA r=16 0.5B update: compiled (the default), eager
+#   d3    .whl/vllm/c2           bash bench/speed_session.sh d3   (carry only)
 #   d4    .whl/vllm/c3           bash bench/speed_session.sh d4   (carry only)
 #   d5    .whl/vllm/c4           bash bench/speed_session.sh d5   (carry only)
 #   d6    .whl/vllm/c5           bash bench/speed_session.sh d6   vLLM install; rlkit 0.5B, no settings, bare vLLM paired
 #   d7    (nothing)              bash bench/speed_session.sh d7   rlkit 1.5B, no settings
 #   d8    (nothing)              bash bench/speed_session.sh d8   varied lengths: compile (the default) and eager
-#   d9    (nothing)              bash bench/speed_session.sh d9   tests/test_gpu.py (the new defaults), if time is left
+#   d9    (nothing)              bash bench/speed_session.sh d9   LoRA r=16 0.5B update: compiled (the default), eager
+#   d10   (nothing)              bash bench/speed_session.sh d10  tests/test_gpu.py (the new defaults), if time is left
 #
 # Records: $OUT/<call>/<item>.json and $OUT/<call>.log; copy them to bench/results/<date>-h100/ as each returns.
 set -uo pipefail
@@ -39,13 +40,7 @@ d2() {
     --json "$RAW/trl-1.5b-hf.json"
 }
 
-d3() {  # LoRA's update under compile against eager, each its own process (compile is fixed when a model is built)
-  fetch vllm/c2
-  local lora=(python3 bench/update_levers.py --root "$MODELS" --warmup 1 --steps 8 --variants keep+fused --shape 0.5b
-    --set lora.rank=16)
-  item lora-update-compile 80 "${lora[@]}" --label lora-compile --json "$RAW/lora-update-compile.json"
-  item lora-update-eager 80 "${lora[@]}" --set fsdp.compile=false --label lora-eager --json "$RAW/lora-update-eager.json"
-}
+d3() { fetch vllm/c2; }
 
 d4() { fetch vllm/c3; }
 d5() { fetch vllm/c4; }
@@ -69,12 +64,19 @@ d8() {  # issue 15's varied lengths (16-2,048 tokens), 32 prompts x 8: the compi
   item varlen-eager 140 "${varlen[@]}" --set fsdp.compile=false --label varlen-eager --json "$RAW/varlen-eager.json"
 }
 
-d9() {
+d9() {  # LoRA's update under compile against eager, each its own process (compile is fixed when a model is built)
+  local lora=(python3 bench/update_levers.py --root "$MODELS" --warmup 1 --steps 8 --variants keep+fused --shape 0.5b
+    --set lora.rank=16)
+  item lora-update-compile 80 "${lora[@]}" --label lora-compile --json "$RAW/lora-update-compile.json"
+  item lora-update-eager 80 "${lora[@]}" --set fsdp.compile=false --label lora-eager --json "$RAW/lora-update-eager.json"
+}
+
+d10() {
   item gpu-tests 280 python3 -m pytest -q tests/test_gpu.py -rs --durations=0
 }
 
 case "${1:-}" in
-  d1|d2|d3|d4|d5|d7|d8|d9) run_call "$1" ;;
+  d1|d2|d3|d4|d5|d7|d8|d9|d10) run_call "$1" ;;
   d6) run_call d6 450 ;;
   *) sed -n '2,18p' "$0"; exit 2 ;;
 esac
