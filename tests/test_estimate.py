@@ -616,3 +616,31 @@ def test_the_fused_head_s_update_estimate_replays_the_h100_probe(hidden, rows, t
     """Within 15% on every row and never under by more than 5% (under is the side that runs out of memory)."""
     predicted = fused_head_bytes(rows, 151_936, hidden, 2, grad=True, math="fused", weight_grad=trained) / 2**30
     assert 0.95 <= predicted / measured <= 1.15, f"predicted {predicted:.3f} GiB, measured {measured} GiB"
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["trained-head", "frozen-head"])
+def test_the_fused_head_s_backward_peak_matches_its_term_on_cpu(trained):
+    """linear_logprobs' update (forward, backward) on CPU with the eager chunk math, 2.5 chunks of 64 rows: the heap's
+    peak equals fused_head_bytes within 5%. The fp32 [V, H] accumulator is made for a frozen head too, and the
+    second chunk's logits and fp32 copies are made while the first chunk's gradient is alive (at 79ff466 the frozen
+    head's term had neither: 0.55 of this peak)."""
+    from rlkit.models.head import linear_logprobs
+
+    libc = _mallinfo2()
+    vocab, hidden, chunk_rows, rows = 32_000, 128, 64, 160
+    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=trained)
+    states = torch.randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows,))
+
+    def update():
+        linear_logprobs(states, weight, tokens, 0.7, "detached", chunk_rows, EAGER)[:, 0].sum().backward()
+        states.grad = weight.grad = None
+
+    update()  # warm up (lazy allocations)
+    gc.collect()
+    with _HostPeak(libc) as host:
+        update()
+    predicted = fused_head_bytes(rows, vocab, hidden, 2, grad=True, math="eager", weight_grad=trained,
+                                 chunk_entries=chunk_rows * vocab)  # fmt: skip
+    assert host.ops > 20
+    assert host.peak == pytest.approx(predicted, rel=0.05), (host.peak, predicted)
