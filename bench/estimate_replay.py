@@ -1,6 +1,6 @@
 """The memory estimate of today's code against the peaks a GPU record measured: no GPU needed.
 
-    python bench/estimate_replay.py bench/results/2026-12-03-h200/*.json [--within 0.15] [--under 0.05] [--json out.json]
+    python bench/estimate_replay.py bench/results/2026-12-03-h200/*.json [--within 0.15] [--under 0.05] [--json F]
 
 A record of ``bench/grpo_step.py`` or of an item of ``bench/acceptance_items.py`` (one file, or bench/collect.py's
 file of a call's records) keeps its run's config, its arguments and, per phase, the peak that
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("records", type=Path, nargs="+")
     parser.add_argument("--within", type=float, help="exit 1 unless every measured/predicted is within this of 1")
     parser.add_argument("--under", type=float, help="exit 1 if a measured/predicted exceeds 1 by more than this")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="write the rows to this file")
     args = parser.parse_args()
     rows = []
     for path in args.records:

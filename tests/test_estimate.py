@@ -90,9 +90,11 @@ def test_every_term_by_hand():
     # 32 tokens (2 rows of 16), 16 response rows: the fused head's rows
     head = 32 * 460 + 16 * 128
     # the fused head (compiled math): one chunk of all 16 rows x 1000 logits, bf16, and 16 bytes per row (scoring);
-    # backward: the bf16 [16, 64] hidden gradient, the fp32 [1000, 64] accumulator and the chunk's logits, gradient
-    # and fp32 scratch (16,000 x 8 bytes) or the gradient beside the bf16 [1000, 64] product (2 x (16,000 + 64,000))
-    logits, scoring_logits = 2 * 16 * 64 + 4 * 64_000 + 2 * (16_000 + 64_000), 16_000 * 2 + 16 * 16
+    # backward: the forward's 16 bytes per row, the bf16 [16, 64] hidden gradient, the fp32 [1000, 64] accumulator
+    # and the chunk's logits, gradient and fp32 scratch (16,000 x 8 bytes) or the gradient beside the bf16
+    # [1000, 64] product (2 x (16,000 + 64,000))
+    logits = 16 * 16 + 2 * 16 * 64 + 4 * 64_000 + 2 * (16_000 + 64_000)
+    scoring_logits = 16_000 * 2 + 16 * 16
     gathered = (64_064 + 2 * 37_120) * 2  # root + current and prefetched layer, bf16
     engine = 2 * P  # the hf engine's whole bf16 copy
     assert b["update"] == {**state, "engine": engine, "gathered": gathered,
@@ -124,6 +126,23 @@ def test_every_term_by_hand():
     in_process = sum(kept["update"].values()) / GiB
     assert est.phases["update"]["rest"] == pytest.approx(CUDA_CONTEXT_GIB + FRAGMENTATION * in_process)
     assert est.peak_phase == "update" and est.fits and est.fixes == []  # the head beside the kept units
+
+
+def test_lora_on_fsdp1_that_shards_nothing_gathers_only_its_adapters():
+    """FSDP1 on one rank (or "no_shard") runs NO_SHARD: the frozen base, already bf16, is used in place and only
+    the adapters' units are cast (2026-12-07, H200, 0.5B untied: scoring measured 2.84 GiB where the estimate
+    gathered the root and two layers, 3.40). FSDP2, and FSDP1 over two ranks, gather the base's units as before."""
+    shape = ModelShape.from_config(SMALL)
+    # rank 4 on every projection: 4 x (q 128 + k 96 + v 96 + o 128 + gate, up, down 192 each) x 2 layers = 8,192
+    lora = small_setting(lora_rank=4, fsdp_version=1, keep_unsharded=False)
+    assert lora.lora_params(shape) == 8_192
+    b = phase_bytes(shape, lora)
+    assert b["scoring"]["gathered"] == b["update"]["gathered"] == 8_192 * 2
+    assert b["backward"]["gathered"] == 8_192 * 2 + 4_096 * (2 + 4)  # one layer's adapters' bf16 and fp32 grads
+    base_units = (64_064 + 2 * 37_120) * 2
+    for sharded in (dataclasses.replace(lora, world_size=2), dataclasses.replace(lora, fsdp_version=2)):
+        assert phase_bytes(shape, sharded)["scoring"]["gathered"] == base_units
+    assert phase_bytes(shape, dataclasses.replace(lora, lora_rank=0))["scoring"]["gathered"] == base_units
 
 
 def test_the_plain_head_by_hand():
@@ -556,10 +575,13 @@ def test_a_peak_within_the_estimates_error_of_the_device_is_linted_as_tight():
     assert estimate_findings(roomy).ids == []
 
 
-def test_the_estimate_replays_the_h200_records_within_15_percent():
-    """The 0.5B and 3B full fine-tuning runs measured on one H200 (bench/results), replayed through today's
-    estimate: every measured phase within 15% (the 3B update's was 0.638 before the fused head was modelled, the
-    compiled 0.5B update's 0.816 before compiled layers were)."""
+def test_the_estimate_replays_the_gpu_records_within_15_percent():
+    """The runs measured on GPUs (bench/results), replayed through today's estimate: every measured phase within
+    15% and none under-predicted by more than 5% (the side that runs out of memory). The 0.5B and 3B full fine-tuning
+    runs on one H200 (the 3B update's was 0.638 before the fused head was modelled, the compiled 0.5B update's 0.816
+    before compiled layers were); issue 43's acceptance items on an H200 (grpo-hf's update 0.842 and LoRA FSDP1's
+    scoring 0.836 before the head's backward and FSDP1's unsharded base were modelled); the H100's fused-head probe
+    (its updates 1.20, 1.50, 1.15, 1.25 at 79ff466)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -567,11 +589,13 @@ def test_the_estimate_replays_the_h200_records_within_15_percent():
     bench = Path(__file__).resolve().parents[1] / "bench"
     records = ["results/2026-12-03-h200/rlkit-vllm.json", "results/2026-12-03-h200/3b-varlen-ac.json",
                "results/2026-12-02-h200b/r1c/rlkit-0.5b-vllm.json", "results/2026-12-04-h200/z7/3b-varlen-ac.json",
-               "results/2026-12-04-h200/z6/rlkit-0.5b-vllm-compile.json"]
-    done = subprocess.run([sys.executable, "estimate_replay.py", *records, "--within", "0.15"], cwd=bench,
-                          capture_output=True, text=True, timeout=300)
+               "results/2026-12-04-h200/z6/rlkit-0.5b-vllm-compile.json", "results/2026-12-07-h200/a1.json",
+               "results/2026-12-06-h100/head-memory.json"]
+    done = subprocess.run([sys.executable, "estimate_replay.py", *records, "--within", "0.15", "--under", "0.05"],
+                          cwd=bench, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("measured") == 20 and "skipped" not in done.stderr  # 4 phases x 5 records
+    # 4 phases x 5 records, 5 phases x 2 acceptance items, 2 phases x 4 head cases
+    assert done.stdout.count("measured") == 38 and "skipped" not in done.stderr
 
 
 QWEN_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -603,19 +627,6 @@ def test_offloaded_state_and_sleeping_engines_are_checked_against_the_host():
     # LoRA offloads the adapters' state only; an unknown host is not checked
     assert dx.estimate_memory(QWEN_7B, **OFFLOADED_7B, lora_rank=16).host_fits
     assert dx.estimate_memory(QWEN_7B, **{**OFFLOADED_7B, "host_memory_gib": 0.0}).host_fits
-
-
-H100_HEAD_PROBE = [(896, 16_384, True, 3.036), (896, 16_384, False, 3.036), (2048, 60_000, True, 3.891),
-                   (896, 2_048, False, 2.511)]  # fmt: skip
-"""bench/head_memory_probe.py on an H100 at 79ff466 (2026-12-06): (hidden, rows, head trained, the update's measured
-peak in GiB), Qwen2.5's vocabulary, bf16, compiled chunk math; the estimate then read 1.20, 1.50, 1.15, 1.25 of it."""
-
-
-@pytest.mark.parametrize(("hidden", "rows", "trained", "measured"), H100_HEAD_PROBE)
-def test_the_fused_head_s_update_estimate_replays_the_h100_probe(hidden, rows, trained, measured):
-    """Within 15% on every row and never under by more than 5% (under is the side that runs out of memory)."""
-    predicted = fused_head_bytes(rows, 151_936, hidden, 2, grad=True, math="fused", weight_grad=trained) / 2**30
-    assert 0.95 <= predicted / measured <= 1.15, f"predicted {predicted:.3f} GiB, measured {measured} GiB"
 
 
 @pytest.mark.parametrize("trained", [True, False], ids=["trained-head", "frozen-head"])
