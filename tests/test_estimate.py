@@ -30,6 +30,7 @@ from rlkit.diagnostics.memory_terms import (
     head_activation_bytes,
     layer_activation_bytes,
     logits_layout,
+    update_gradient_bytes,
 )
 from rlkit.models import attention
 from rlkit.models.head import EAGER, install_response_head
@@ -143,6 +144,23 @@ def test_lora_on_fsdp1_that_shards_nothing_gathers_only_its_adapters():
     for sharded in (dataclasses.replace(lora, world_size=2), dataclasses.replace(lora, fsdp_version=2)):
         assert phase_bytes(shape, sharded)["scoring"]["gathered"] == base_units
     assert phase_bytes(shape, dataclasses.replace(lora, lora_rank=0))["scoring"]["gathered"] == base_units
+
+
+def test_the_update_s_sharded_gradients_are_none_in_a_step_s_first_micro_batch():
+    """zero_grad(set_to_none=True) at each mini-batch's start: the first micro-batch's loss has no sharded
+    gradients, a later one's has all of them; kept unsharded, none; the critic's stay from its own step
+    (2026-12-07, H200, 0.5B, one micro-batch: the update measured 11.11 GiB, 1.84 GiB of gradients below 13.19)."""
+    shape, P = ModelShape.from_config(SMALL), 138_304
+    two = small_setting(keep_unsharded=False)  # 4 rows in micro-batches of 2
+    one = dataclasses.replace(two, micro_batch_size=4)
+    assert (two.micro_batches_per_step, one.micro_batches_per_step) == (2, 1)
+    assert update_gradient_bytes(shape, two) == 4 * P
+    assert update_gradient_bytes(shape, one) == 0
+    assert update_gradient_bytes(shape, dataclasses.replace(two, keep_unsharded=True)) == 0
+    assert update_gradient_bytes(shape, dataclasses.replace(one, critic=True)) == 4 * shape.value_model_params
+    assert update_gradient_bytes(shape, dataclasses.replace(two, cpu_offload=True)) == 0
+    assert update_gradient_bytes(shape, dataclasses.replace(two, lora_rank=4)) == 4 * 8_192
+    assert update_gradient_bytes(shape, dataclasses.replace(two, world_size=2, micro_batch_size=1)) == 4 * P // 2
 
 
 def test_the_plain_head_by_hand():
