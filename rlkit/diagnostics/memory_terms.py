@@ -320,7 +320,31 @@ def saved_layer_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
     padded = s.padding_mask and not s.padding_free
     if s.compiled_layers:
         return compiled_layer_bytes(shape, e, mask_width=s.sequence_tokens if padded else 0)
-    return layer_activation_bytes(shape, e, expanded_kv=padded)
+    eager = layer_activation_bytes(shape, e, expanded_kv=padded)
+    return eager + lora_layer_bytes(shape, s, e) if s.lora_rank else eager
+
+
+def lora_layer_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
+    """Per token, what LoRA changes in an eager layer's saved activations (:func:`layer_activation_bytes` is the
+    trained layer's; checked against saved-tensor hooks in tests/test_estimate.py, 2026-12-07):
+      - the frozen RMSNorm weights keep nothing for their own gradient: less the normalised values (2*e*h);
+      - each adapter's A output, kept by B (e*r per adapted projection);
+      - a projection group whose base is frozen and has no adapter keeps no input: q/k/v's or gate/up's (e*h),
+        down's (e*i);
+      - FSDP1 with a compute dtype below fp32: peft casts each adapter's input to the fp32 weight that FSDP1 shows
+        outside the unit, and the unit casts it back, so each adapter keeps its own copy of its input: q, k and v
+        two more than the one they shared (2*e*h), gate and up one more (e*h), o one beside attention's output
+        (e*q); down's copy replaces the product it would have kept.
+    All linear layers adapted: -2*e*h + 7*e*r, and + e*(3h + q) on FSDP1 (0.5B bf16: -3,360 and +3,808 of 57,408)."""
+    h, q, i = shape.hidden_size, shape.q_dim, shape.intermediate_size
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapted = set(names) if s.lora_targets == "all-linear" else {n for n in names if n in s.lora_targets}
+    attention, mlp = len(adapted & {"q_proj", "k_proj", "v_proj"}), len(adapted & {"gate_proj", "up_proj"})
+    total = -2 * e * h + e * s.lora_rank * len(adapted)
+    total -= e * h * (attention == 0) + e * h * (mlp == 0) + e * i * ("down_proj" not in adapted)
+    if s.fsdp_version == 1 and s.compute_dtype != "fp32":
+        total += e * h * (max(0, attention - 1) + max(0, mlp - 1)) + e * q * ("o_proj" in adapted)
+    return total
 
 
 def scoring_layer_bytes(shape: ModelShape, e: int) -> int:
