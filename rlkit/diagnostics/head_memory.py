@@ -35,11 +35,12 @@ FORWARD_FP32_BYTES = {"eager": {False: 8, True: 12}, "fused": {False: 0, True: 4
 forward takes the entropy (the update does, for its metric; scoring does not). Eager: the scaled fp32 copy and the
 log-sum-exp's temporary, or the copy, the softmax and their product. Compiled: the softmax, which inductor keeps
 as one fp32 buffer (its generated code, torch 2.13 on CPU), and nothing without the entropy."""
-BACKWARD_FP32_BYTES = {"eager": 8, "fused": 6}
-"""Fused head, bytes per chunk entry in the backward beside the chunk's logits and gradient: eager, the log-probs'
-copy and the probabilities (fp32; the gradient is written into the latter); compiled, 6: one fp32 buffer was
-counted until the H100's probe (bench/head_memory_probe.py, 2026-12-06) measured 10 bytes per entry in all, e = 2,
-on each of its four cases (2.511 GiB for one 2^28-entry chunk of a frozen head)."""
+BACKWARD_FP32_BYTES = {"eager": 8, "fused": 4}
+"""Fused head, fp32 bytes per chunk entry in the backward beside the chunk's logits and gradient: eager, the log-probs'
+copy and the probabilities (the gradient is written into the latter); compiled, one fp32 buffer. The H100's probe
+(bench/head_memory_probe.py, 2026-12-06) measured 8 bytes per entry in all (e = 2) on its one-chunk-and-a-bit row
+(2.511 GiB = the 0.507 GiB accumulator + 2^28 x 8 bytes) and 10 on its rows of many full chunks, where the previous
+chunk's gradient (2 more) is alive while the next one's are made (:func:`fused_head_bytes`)."""
 
 
 class LogitsLayout(NamedTuple):
@@ -62,16 +63,16 @@ def fused_head_bytes(
     GPU's) or "eager" (a CPU's).
 
     Forward: a chunk's [C, V] logits (e bytes each) and :data:`FORWARD_FP32_BYTES` per entry (the update's forward
-    takes the entropy), and 16 bytes per row (the [rows, 2] output, log-sum-exps, entropies). Backward (``grad``): the
-    [rows, H] hidden gradient and a chunk's logits and gradient (2e) with :data:`BACKWARD_FP32_BYTES` per entry; with
-    ``weight_grad`` (a trained head) also the fp32 [V, H] accumulator, and between chunks the gradient chunk beside
-    the [V, H] product it adds in (e each) if that is more; without (LoRA's frozen head) the previous chunk's
-    gradient (e per entry) is still alive while the next chunk's are made (measured on an H100: 3.036 GiB over 9
-    chunks where one chunk's 2.511 is the peak of a single one).
+    takes the entropy), and 16 bytes per row (the [rows, 2] output, log-sum-exps, entropies). Backward (``grad``),
+    beside those 16 bytes per row: the [rows, H] hidden gradient, the fp32 [V, H] weight-gradient accumulator (made
+    whether or not the weight trains: LoRA's frozen head has one too) and a chunk's logits and gradient (2e) with
+    :data:`BACKWARD_FP32_BYTES` per entry; from the second chunk on, the previous chunk's gradient (e per entry)
+    is still alive while the next one's are made; with ``weight_grad`` (a trained head) a chunk's gradient sits
+    beside its [V, H] product with the hidden states (e each) when that is added into the accumulator.
 
     Example: Qwen2.5-0.5B (V 151,936, H 896), 16,384 response tokens, bf16, compiled: chunks of 1,766 rows (2^28
-    entries); forward 1.5 GiB; backward 0.03 GiB hidden gradient + 0.51 GiB accumulator + 2^28 x 10 bytes (2.5 GiB)
-    for the chunk: 3.03 GiB (measured 3.036); with the head frozen, 0.03 + 2^28 x 12 bytes: 3.03 GiB (3.036).
+    entries); forward 1.5 GiB; backward 0.03 GiB hidden gradient + 0.51 GiB accumulator + 2^28 x (8 + 2) bytes
+    (2.5 GiB) for a chunk after the first: 3.03 GiB, trained or frozen (measured 3.036 both).
     """
     chunk_rows = min(rows, max(1, (chunk_entries or HEAD_MATHS[math]) // vocab))
     chunk = chunk_rows * vocab
@@ -80,11 +81,11 @@ def fused_head_bytes(
         return forward
     per_entry = 2 * e + BACKWARD_FP32_BYTES[math]
     elementwise = chunk * per_entry
-    if weight_grad:
-        elementwise = 4 * vocab * hidden + max(elementwise, e * (chunk + vocab * hidden))
-    elif rows > chunk_rows:
+    if rows > chunk_rows:  # the next chunk's (the last may be partial) beside the previous one's gradient
         elementwise = max(elementwise, e * chunk + min(chunk_rows, rows - chunk_rows) * vocab * per_entry)
-    return max(forward, e * rows * hidden + elementwise)
+    if weight_grad:
+        elementwise = max(elementwise, e * (chunk + vocab * hidden))
+    return max(forward, 16 * rows + e * rows * hidden + 4 * vocab * hidden + elementwise)
 
 
 def logits_bytes(layout: LogitsLayout, vocab: int, e: int, *, grad: bool, fp32_path: bool = False) -> int:

@@ -320,7 +320,31 @@ def saved_layer_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
     padded = s.padding_mask and not s.padding_free
     if s.compiled_layers:
         return compiled_layer_bytes(shape, e, mask_width=s.sequence_tokens if padded else 0)
-    return layer_activation_bytes(shape, e, expanded_kv=padded)
+    eager = layer_activation_bytes(shape, e, expanded_kv=padded)
+    return eager + lora_layer_bytes(shape, s, e) if s.lora_rank else eager
+
+
+def lora_layer_bytes(shape: ModelShape, s: MemorySetting, e: int) -> int:
+    """Per token, what LoRA changes in an eager layer's saved activations (:func:`layer_activation_bytes` is the
+    trained layer's; checked against saved-tensor hooks in tests/test_estimate.py, 2026-12-07):
+      - the frozen RMSNorm weights keep nothing for their own gradient: less the normalised values (2*e*h);
+      - each adapter's A output, kept by B (e*r per adapted projection);
+      - a projection group whose base is frozen and has no adapter keeps no input: q/k/v's or gate/up's (e*h),
+        down's (e*i);
+      - FSDP1 with a compute dtype below fp32: peft casts each adapter's input to the fp32 weight that FSDP1 shows
+        outside the unit, and the unit casts it back, so each adapter keeps its own copy of its input: q, k and v
+        two more than the one they shared (2*e*h), gate and up one more (e*h), o one beside attention's output
+        (e*q); down's copy replaces the product it would have kept.
+    All linear layers adapted: -2*e*h + 7*e*r, and + e*(3h + q) on FSDP1 (0.5B bf16: -3,360 and +3,808 of 57,408)."""
+    h, q, i = shape.hidden_size, shape.q_dim, shape.intermediate_size
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapted = set(names) if s.lora_targets == "all-linear" else {n for n in names if n in s.lora_targets}
+    attention, mlp = len(adapted & {"q_proj", "k_proj", "v_proj"}), len(adapted & {"gate_proj", "up_proj"})
+    total = -2 * e * h + e * s.lora_rank * len(adapted)
+    total -= e * h * (attention == 0) + e * h * (mlp == 0) + e * i * ("down_proj" not in adapted)
+    if s.fsdp_version == 1 and s.compute_dtype != "fp32":
+        total += e * h * (max(0, attention - 1) + max(0, mlp - 1)) + e * q * ("o_proj" in adapted)
+    return total
 
 
 def scoring_layer_bytes(shape: ModelShape, e: int) -> int:
@@ -370,9 +394,14 @@ def gathered_bytes(shape: ModelShape, s: MemorySetting, e: int, *, backward: boo
     compute dtype and in the reduce dtype for the reduce-scatter. With ``keep_unsharded`` (FSDP2) every unit
     stays gathered and every gradient accumulates unsharded in the reduce dtype through the micro-batches,
     beside the root's and one layer's compute-dtype gradients in backward; FSDP1's no_sync keeps its units as
-    before but the whole unsharded gradient in the compute dtype."""
+    before but the whole unsharded gradient in the compute dtype. LoRA on FSDP1 that shards nothing (one rank, or
+    "no_shard": FSDP1 then runs NO_SHARD) uses its frozen base in place, already in the compute dtype: only the
+    adapters' units are cast (all of them counted) (2026-12-07, H200, 0.5B untied: the scoring phase measured 2.84
+    GiB, 0.56 below an estimate that gathered the root and two layers)."""
     layers = 2 if s.reshard_after_forward else max(2, shape.num_layers)
     r, total = DTYPE_BYTES[s.reduce_dtype], (shape.root_params + layers * shape.layer_params) * e
+    if s.lora_rank and s.fsdp_version == 1 and s.shard_size == 1:
+        total = s.lora_params(shape) * e
     # the gradients of the root and of one layer in backward: a frozen base (LoRA) has none, its adapters' are small
     root_grads, layer_grads = (0, s.lora_params(shape) // shape.num_layers) if s.lora_rank else (
         shape.root_params, shape.layer_params)
@@ -406,6 +435,19 @@ def state_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, int]:
 def trained_params(shape: ModelShape, s: MemorySetting) -> int:
     """The parameters the optimizer steps (the actor's, or its adapters with LoRA)."""
     return s.lora_params(shape) or shape.num_parameters
+
+
+def update_gradient_bytes(shape: ModelShape, s: MemorySetting) -> int:
+    """The sharded gradients (:func:`state_bytes`' "gradients") alive at the update's loss. The actor's are set to
+    None at each mini-batch's start (rlkit.workers.policy: ``zero_grad(set_to_none=True)``) and made by the first
+    micro-batch's backward: with one micro-batch per optimizer step its loss has none, from the second one on they
+    are there; with ``keep_unsharded`` none until the last reduce-scatter (the unsharded ones count in "gathered").
+    The critic's stay from its own last step. (2026-12-07, H200, 0.5B, one micro-batch, hf engine: the update
+    measured 11.11 GiB where the estimate counted 1.84 GiB of fp32 gradients that were not there.)"""
+    state = state_bytes(shape, s)["gradients"]
+    actor = 0 if s.cpu_offload else 4 * trained_params(shape, s) // s.shard_size
+    accumulated = s.micro_batches_per_step > 1 and not s.keep_unsharded
+    return state - (0 if accumulated else actor)
 
 
 def host_bytes(shape: ModelShape, s: MemorySetting) -> int:
