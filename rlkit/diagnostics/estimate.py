@@ -44,6 +44,7 @@ from rlkit.diagnostics.memory_terms import (
     state_bytes,
     sync_bytes,
     trained_params,
+    update_gradient_bytes,
 )
 from rlkit.rollout.sleep import AWAKE_HEADROOM
 
@@ -206,7 +207,7 @@ def phase_bytes(shape: ModelShape, s: MemorySetting) -> dict[str, dict[str, int]
     sharded_grads = 4 * trained_params(shape, s) // s.shard_size if s.keep_unsharded else 0
     accumulating = {**state, "gradients": state["gradients"] - sharded_grads}
     phases["update"] = {
-        **accumulating, "engine": engine, "gathered": forward,
+        **state, "gradients": update_gradient_bytes(shape, s), "engine": engine, "gathered": forward,
         "activations": activation_bytes(shape, s, e, phase="update"),
         "logits": head_bytes(shape, s, e, grad=True),
     }
