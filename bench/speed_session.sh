@@ -12,6 +12,7 @@
 #   d4    .whl/vllm/c3           bash bench/speed_session.sh d4   (carry only)
 #   d5    .whl/vllm/c4           bash bench/speed_session.sh d5   (carry only)
 #   d6    .whl/vllm/c5           bash bench/speed_session.sh d6   vLLM install; rlkit 0.5B, no settings, bare vLLM paired
+#                                  (BREAKDOWN=1.05: the engine call taken apart above 1.05x, ~100 s more)
 #   d7    (nothing)              bash bench/speed_session.sh d7   rlkit 1.5B, no settings
 #   d8    (nothing)              bash bench/speed_session.sh d8   varied lengths: compile (the default) and eager
 #   d9    (nothing)              bash bench/speed_session.sh d9   LoRA r=16 0.5B update: compiled (the default), eager
@@ -48,7 +49,7 @@ d5() { fetch vllm/c4; }
 d6() {  # the first vLLM run of a fresh machine compiles vLLM's and rlkit's graphs cold: a longer budget
   fetch vllm/c5
   install_vllm || { echo "vLLM install failed"; return 1; }
-  item rlkit-0.5b-defaults 420 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --breakdown-above 1.05 --breakdown-rounds 2 \
+  item rlkit-0.5b-defaults 420 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --breakdown-above "${BREAKDOWN:-99}" \
     --label rlkit-defaults --json "$RAW/rlkit-0.5b-defaults.json"
 }
 
