@@ -2,6 +2,7 @@
 losses, per-datum log-probs and the adapters after AdamW equal the reference's; the sampler samples the saved
 weights, and its log-probs of the sampled tokens are the trainer's."""
 
+import os
 import time
 
 import pytest
@@ -258,6 +259,81 @@ def test_bad_data_is_refused_on_the_controller_and_a_bad_share_fails_every_rank_
     ce, _ = data()
     assert client.forward_backward(ce, "cross_entropy").result(timeout=60).loss > 0  # the cluster still serves
     assert client.optim_step(ADAM).result(timeout=60).step == 1
+
+
+def plant_fault(where: str) -> None:
+    """On a worker: rank 1's next micro-batch raises once, in its loss (between the collectives: "loss") or inside
+    the first decoder layer's forward, after that layer's all-gather ("forward")."""
+    from rlkit.runtime import context, local_instance
+    from rlkit.workers import primitives
+
+    if context().rank != 1:
+        return
+    if where == "loss":
+        real = primitives.tinker_token_loss
+
+        def faulty_loss(*args, **kwargs):
+            primitives.tinker_token_loss = real
+            raise RuntimeError("planted fault in the loss")
+
+        primitives.tinker_token_loss = faulty_loss
+        return
+    model = local_instance(primitives.PrimitivesWorker).actor.model
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+
+    def faulty_forward(*args, **kwargs):
+        raise RuntimeError("planted fault inside the forward")
+
+    layer.forward = faulty_forward
+
+
+def test_a_fault_between_the_collectives_on_one_rank_ends_the_call_on_every_rank_and_drops_its_gradients(cluster):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    ce, is_ = data()
+    client.forward_backward(ce, "cross_entropy").result()  # gradients the failed call drops with its own
+    cluster.run(plant_fault, "loss")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        client.forward_backward(is_, "importance_sampling").result(timeout=60)
+    assert time.monotonic() - started < 20  # not hang_timeout (120 s): the ranks agreed before the backward
+    assert str(err.value) == ("forward_backward failed: rank 1 raised RuntimeError: planted fault in the loss; every "
+                              "rank ended the call together and the cluster serves on (the gradients accumulated "
+                              "since the last optim_step were dropped)")  # fmt: skip
+    assert cluster.broken is None
+    ce_out = client.forward_backward(ce, "cross_entropy")  # the step of the reference, as if nothing had failed
+    client.forward_backward(is_, "importance_sampling")
+    step = client.optim_step(ADAM).result(timeout=60)
+    ref = reference_step()
+    assert ce_out.result().loss == pytest.approx(ref["ce_loss"], rel=1e-5)
+    assert step.grad_norm == pytest.approx(ref["norm"], rel=1e-5) and step.step == 1
+    assert_adapters_equal_reference(cluster.run(actor_adapters)[0], ref)
+
+
+def test_a_fault_inside_one_ranks_forward_restarts_the_workers_and_restores_the_last_state(cluster, tmp_path):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    client.save_state(tmp_path / "start").result()
+    ce, is_ = data()
+    pids = cluster.run(os.getpid)
+    cluster.run(plant_fault, "forward")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        client.forward_backward(ce, "cross_entropy").result(timeout=60)
+    assert time.monotonic() - started < 20  # rank 0 waits in an all-gather: stopped at once, not after 120 s
+    assert str(err.value) == (
+        "forward_backward failed: rank 1 raised RuntimeError: planted fault inside the forward (in the forward, where "
+        "the other ranks wait in its collectives); the ranks could not finish the call together, so the cluster's "
+        "workers were stopped: the next call restarts them and restores the state saved in start (save_state or "
+        "load_state)")  # fmt: skip
+    ce_out = client.forward_backward(ce, "cross_entropy")  # restarts the workers, loads "start", then runs
+    client.forward_backward(is_, "importance_sampling")
+    step = client.optim_step(ADAM).result(timeout=180)
+    assert cluster.broken is None and set(cluster.run(os.getpid)).isdisjoint(pids)  # fresh workers
+    ref = reference_step()
+    assert ce_out.result().loss == pytest.approx(ref["ce_loss"], rel=1e-5)
+    assert step.grad_norm == pytest.approx(ref["norm"], rel=1e-5) and step.step == 1
+    assert_adapters_equal_reference(cluster.run(actor_adapters)[0], ref)
 
 
 def record_head_calls() -> None:
