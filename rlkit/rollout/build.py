@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rlkit.config import LoraConfig, RolloutConfig
-from rlkit.models import load_causal_lm
+from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.models.lora import apply_lora
 from rlkit.rollout.base import RolloutEngine
 from rlkit.rollout.hf import HFEngine
@@ -66,7 +66,8 @@ def build_engine(
     model = load_causal_lm(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if adapters is not None:
         apply_lora(model, adapters)
-    return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+    return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, tokenizer=tokenizer)
 
 
 def logprob_fraction(engine_logprobs: float, adapters: bool, max_num_seqs: int) -> float:

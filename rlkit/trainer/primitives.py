@@ -179,7 +179,8 @@ class TrainingClient:
             raise ValueError("sample: " + "; ".join(problems))
         params = SamplingParams(n=num_samples, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 seed=self.config.seed if seed is None else seed,
-                                stop_at_eos=stop is None or isinstance(stop, str) or len(stop) > 0)  # fmt: skip
+                                stop_at_eos=stop is None or isinstance(stop, str) or len(stop) > 0,
+                                stops=stops)  # fmt: skip
         return self._submit(lambda: self._sample(list(prompt), params, stops))
 
     def prompt_logprobs(self, prompt: Sequence[int]) -> Future[list[float]]:
