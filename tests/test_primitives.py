@@ -2,6 +2,7 @@
 losses, per-datum log-probs and the adapters after AdamW equal the reference's; the sampler samples the saved
 weights, and its log-probs of the sampled tokens are the trainer's."""
 
+import json
 import os
 import time
 
@@ -11,6 +12,7 @@ import torch
 import rlkit
 from rlkit.models import load_causal_lm, resolve_model_dir
 from rlkit.models.lora import apply_lora, is_adapter_param
+from rlkit.trainer.primitives import saved_lora
 from tests.numerics import GRAD_ERROR_OF_NORM, adamw_first_step_tolerance, assert_close
 
 pytest.importorskip("peft")
@@ -231,6 +233,28 @@ def test_load_state_restores_the_saved_adapters_and_adamw_so_the_next_step_repea
         lora=rlkit.LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"])))  # fmt: skip
     with pytest.raises(ValueError, match=r"lora_target_modules='all-linear' there, \['q_proj'\] here"):
         narrower.load_state(saved).result()
+
+
+def test_a_state_saved_before_lora_settings_were_recorded_is_refused_naming_the_cause_and_the_fix(cluster, tmp_path):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    saved = client.save_state(tmp_path / "old").result()
+    meta = json.loads((saved / "client.json").read_text())
+    old = {"model": meta["model"], "lora_rank": 4, "step": 0}  # all that a state of rlkit 79ff466 records
+    (saved / "client.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError) as err:
+        client.load_state(saved).result()
+    assert str(err.value) == (
+        "old: its client.json records no lora_alpha, lora_target_modules, lora_modules_to_save: an rlkit from before "
+        "states recorded their LoRA settings (issue 42) saved it, so nothing says which adapters it holds. If you know "
+        "the settings it was saved with, add them to its client.json (lora_alpha: 8.0, lora_target_modules: "
+        '"all-linear", lora_modules_to_save: [] are this client\'s) and load it again; once loaded, save_state writes '
+        "a state this version loads")  # fmt: skip
+    with pytest.raises(ValueError, match="records no lora_alpha, lora_target_modules, lora_modules_to_save"):
+        saved_lora(saved)  # create_training_client_from_state's reading of it
+    fixed = {**old, "lora_alpha": 8.0, "lora_target_modules": "all-linear", "lora_modules_to_save": []}
+    (saved / "client.json").write_text(json.dumps(fixed))  # the fix the message gives
+    client.load_state(saved).result()
+    assert saved_lora(saved) == {"rank": 4, "alpha": 8.0, "target_modules": "all-linear", "modules_to_save": []}
 
 
 def ce_datum(tokens: list[int], targets: list[int]) -> rlkit.Datum:

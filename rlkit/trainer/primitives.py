@@ -288,6 +288,7 @@ class TrainingClient:
             raise ValueError(f"{path.name}: not a folder written by save_state (no {STATE_META})")
         meta = json.loads((path / STATE_META).read_text())
         mine = {"model": str(self.model_dir), **self._lora_meta()}
+        _check_recorded(path, meta, mine)
         problems = [f"{key}={meta.get(key)!r} there, {value!r} here" for key, value in mine.items()
                     if meta.get(key) != value]  # fmt: skip
         if problems:
@@ -383,9 +384,25 @@ def saved_lora(path: Path) -> dict[str, object]:
     for a folder save_state did not write)."""
     meta_file = path / STATE_META
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    if any(key not in meta for key in LORA_KEYS):
-        raise ValueError(f"{path.name}: not a folder written by save_state (no LoRA settings in its {STATE_META})")
+    if "model" not in meta or "step" not in meta:
+        raise ValueError(f"{path.name}: not a folder written by save_state (no {STATE_META} with its model and step)")
+    _check_recorded(path, meta, None)
     return {key.removeprefix("lora_"): meta[key] for key in LORA_KEYS}
+
+
+def _check_recorded(path: Path, meta: dict[str, object], mine: dict[str, object] | None) -> None:
+    """ValueError naming the cause and the fix when the folder's :data:`STATE_META` lacks LoRA settings that
+    :data:`LORA_KEYS` names: an rlkit before they were recorded saved it (it recorded the rank only). ``mine``: the
+    loading client's settings, offered as the values to add if they are the ones it was saved with."""
+    missing = [key for key in LORA_KEYS if key not in meta]
+    if not missing:
+        return
+    fix = ("" if mine is None else f" ({', '.join(f'{k}: {json.dumps(mine[k])}' for k in missing)} are this "
+           "client's)")  # fmt: skip
+    raise ValueError(f"{path.name}: its {STATE_META} records no {', '.join(missing)}: an rlkit from before states "
+                     "recorded their LoRA settings (issue 42) saved it, so nothing says which adapters it holds. If "
+                     f"you know the settings it was saved with, add them to its {STATE_META}{fix} and load it again; "
+                     "once loaded, save_state writes a state this version loads")  # fmt: skip
 
 
 def _kind(exc_type: str) -> str:
