@@ -4,6 +4,8 @@ weights, and its log-probs of the sampled tokens are the trainer's."""
 
 import json
 import os
+import re
+import signal
 import time
 
 import pytest
@@ -287,17 +289,20 @@ def test_bad_data_is_refused_on_the_controller_and_a_bad_share_fails_every_rank_
 
 def plant_fault(where: str) -> None:
     """On a worker: rank 1's next micro-batch raises once, in its loss (between the collectives: "loss") or inside
-    the first decoder layer's forward, after that layer's all-gather ("forward")."""
+    the first decoder layer's forward, after that layer's all-gather ("forward"); or rank 1 dies in its loss
+    ("die": SIGKILL, as the out-of-memory killer does)."""
     from rlkit.runtime import context, local_instance
     from rlkit.workers import primitives
 
     if context().rank != 1:
         return
-    if where == "loss":
+    if where in ("loss", "die"):
         real = primitives.tinker_token_loss
 
         def faulty_loss(*args, **kwargs):
             primitives.tinker_token_loss = real
+            if where == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("planted fault in the loss")
 
         primitives.tinker_token_loss = faulty_loss
@@ -334,29 +339,36 @@ def test_a_fault_between_the_collectives_on_one_rank_ends_the_call_on_every_rank
     assert_adapters_equal_reference(cluster.run(actor_adapters)[0], ref)
 
 
-def test_a_fault_inside_one_ranks_forward_restarts_the_workers_and_restores_the_last_state(cluster, tmp_path):
+@pytest.mark.parametrize(("where", "cause"), [
+    ("forward", re.escape("rank 1 raised RuntimeError: planted fault inside the forward (in the forward, where the "
+                          "other ranks wait in its collectives)")),
+    ("die", r"rank 1 \(pid \d+\) died during the call \S+: killed by SIGKILL \(9\) \(often the out-of-memory killer\)"),
+])  # fmt: skip
+def test_a_fault_inside_one_ranks_forward_restarts_the_workers_and_restores_the_last_state(cluster, tmp_path, where,
+                                                                                           cause):  # fmt: skip
     client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
     cluster.run(set_adapters, start_adapters())
     client.save_state(tmp_path / "start").result()
     ce, is_ = data()
+    client.forward_backward(ce, "cross_entropy")
+    assert client.optim_step(ADAM).result(timeout=60).step == 1  # trained past the state: the restart loses it
     pids = cluster.run(os.getpid)
-    cluster.run(plant_fault, "forward")
+    cluster.run(plant_fault, where)
     started = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         client.forward_backward(ce, "cross_entropy").result(timeout=60)
     assert time.monotonic() - started < 20  # rank 0 waits in an all-gather: stopped at once, not after 120 s
-    assert str(err.value) == (
-        "forward_backward failed: rank 1 raised RuntimeError: planted fault inside the forward (in the forward, where "
-        "the other ranks wait in its collectives); the ranks could not finish the call together, so the cluster's "
-        "workers were stopped: the next call restarts them and restores the state saved in start (save_state or "
-        "load_state)")  # fmt: skip
+    assert re.fullmatch(
+        f"forward_backward failed: {cause}; the ranks could not finish the call together, so the cluster's "
+        "workers were stopped: the next call restarts them and restores the state saved in start \\(save_state or "
+        "load_state\\)", str(err.value)), str(err.value)  # fmt: skip
     ce_out = client.forward_backward(ce, "cross_entropy")  # restarts the workers, loads "start", then runs
     client.forward_backward(is_, "importance_sampling")
     step = client.optim_step(ADAM).result(timeout=180)
     assert cluster.broken is None and set(cluster.run(os.getpid)).isdisjoint(pids)  # fresh workers
     ref = reference_step()
     assert ce_out.result().loss == pytest.approx(ref["ce_loss"], rel=1e-5)
-    assert step.grad_norm == pytest.approx(ref["norm"], rel=1e-5) and step.step == 1
+    assert step.grad_norm == pytest.approx(ref["norm"], rel=1e-5) and step.step == 1  # the step from "start" again
     assert_adapters_equal_reference(cluster.run(actor_adapters)[0], ref)
 
 

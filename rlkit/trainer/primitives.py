@@ -414,7 +414,7 @@ def _cause(err: Exception) -> str:
     """One line on what failed: each rank's exception and its first line (no traceback), ranks that only followed
     another's failure left out."""
     if not isinstance(err, RemoteError):
-        return str(err).splitlines()[0]
+        return str(err).splitlines()[0].rstrip(".")
     lines = []
     for f in err.failures:
         kind, first = _kind(f.exc_type), (f.message.splitlines() or [""])[0]
