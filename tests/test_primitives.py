@@ -287,19 +287,22 @@ def test_bad_data_is_refused_on_the_controller_and_a_bad_share_fails_every_rank_
     assert client.optim_step(ADAM).result(timeout=60).step == 1
 
 
-def plant_fault(where: str) -> None:
-    """On a worker: rank 1's next micro-batch raises once, in its loss (between the collectives: "loss") or inside
-    the first decoder layer's forward, after that layer's all-gather ("forward"); or rank 1 dies in its loss
-    ("die": SIGKILL, as the out-of-memory killer does)."""
+def plant_fault(where: str, skip: int = 0) -> None:
+    """On a worker: rank 1's next micro-batch (after ``skip`` of its losses) raises once, in its loss (between the
+    collectives: "loss") or inside the first decoder layer's forward, after that layer's all-gather ("forward"); or
+    rank 1 dies in its loss ("die": SIGKILL, as the out-of-memory killer does)."""
     from rlkit.runtime import context, local_instance
     from rlkit.workers import primitives
 
     if context().rank != 1:
         return
     if where in ("loss", "die"):
-        real = primitives.tinker_token_loss
+        real, calls = primitives.tinker_token_loss, []
 
         def faulty_loss(*args, **kwargs):
+            calls.append(1)
+            if len(calls) <= skip:
+                return real(*args, **kwargs)
             primitives.tinker_token_loss = real
             if where == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -316,12 +319,15 @@ def plant_fault(where: str) -> None:
     layer.forward = faulty_forward
 
 
-def test_a_fault_between_the_collectives_on_one_rank_ends_the_call_on_every_rank_and_drops_its_gradients(cluster):
-    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+@pytest.mark.parametrize("micro_batch_size", [8, 1])  # 1: the fault in the second micro-batch, after a backward
+def test_a_fault_between_the_collectives_on_one_rank_ends_the_call_on_every_rank_and_drops_its_gradients(
+    cluster, micro_batch_size
+):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA, micro_batch_size=micro_batch_size))
     cluster.run(set_adapters, start_adapters())
     ce, is_ = data()
     client.forward_backward(ce, "cross_entropy").result()  # gradients the failed call drops with its own
-    cluster.run(plant_fault, "loss")
+    cluster.run(plant_fault, "loss", 0 if micro_batch_size == 8 else 1)
     started = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         client.forward_backward(is_, "importance_sampling").result(timeout=60)
