@@ -366,9 +366,11 @@ def test_the_sdks_create_training_client_from_state_with_and_without_optimizer(s
         service.create_training_client_from_state(saved + "-missing").result()
 
 
-def test_a_fault_on_one_rank_mid_call_answers_in_seconds_naming_the_rank_and_the_server_serves_on(training, cluster):
+def test_a_fault_on_one_rank_mid_call_answers_in_seconds_naming_the_rank_and_the_server_serves_on(service, cluster):
     from tests.test_primitives import plant_fault
 
+    training = service.create_lora_training_client(base_model="tiny", rank=LORA.rank, seed=0).result(timeout=120)
+    cluster.run(set_adapters, start_adapters())
     ce = [to_tinker(d) for d in data()[0]]
     before = training.forward(ce, "cross_entropy").result(timeout=60).metrics["loss:sum"]
     training.save_state("before-faults").result(timeout=60)  # what a restart of the workers restores

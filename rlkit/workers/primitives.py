@@ -180,11 +180,11 @@ class PrimitivesWorker(ActorRole):
                 for index in steps:
                     micro = self._agreed("slicing a micro-batch", rows.rows, int(index[0]), int(index[-1]) + 1)
                     micro_logprobs = _in_collectives("the forward", self._target_logprobs, micro)
-                    loss = self._agreed("the loss", self._micro_loss, micro, micro_logprobs, loss_fn, loss_fn_config)
+                    loss, value = self._agreed("the loss", self._micro_loss, micro, micro_logprobs, loss_fn,
+                                               loss_fn_config, logprobs, index)  # fmt: skip
+                    loss_sum += value
                     if backward:
                         _in_collectives("the backward", loss.backward)
-                    logprobs[index.to(self.device)] = micro_logprobs.detach().float()
-                    loss_sum += float(loss.detach())
         except CollectiveAbandoned:  # the workers are stopped
             raise
         except Exception:
@@ -198,11 +198,14 @@ class PrimitivesWorker(ActorRole):
         kept = [logprobs[i, :n].cpu() for i, n in enumerate(rows.lengths) if n > 0]
         return ForwardResult(logprobs=kept, loss_sum=loss_sum)
 
-    @staticmethod
-    def _micro_loss(rows: DatumRows, logprobs: torch.Tensor, loss_fn: str,
-                    loss_fn_config: Mapping[str, float] | None) -> torch.Tensor:  # fmt: skip
-        """The scalar loss of one micro-batch: Tinker's per-token loss of ``logprobs`` [b, N], summed."""
-        return tinker_token_loss(loss_fn, logprobs, rows.inputs, rows.mask, loss_fn_config).sum()
+    def _micro_loss(self, rows: DatumRows, logprobs: torch.Tensor, loss_fn: str,
+                    loss_fn_config: Mapping[str, float] | None, into: torch.Tensor,
+                    index: torch.Tensor) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """One micro-batch's loss: Tinker's per-token loss of its ``logprobs`` [b, N], summed (a scalar tensor), and
+        its value; the log-probs go into rows ``index`` [b] of ``into`` [B, N]."""
+        into[index.to(self.device)] = logprobs.detach().float()
+        loss = tinker_token_loss(loss_fn, logprobs, rows.inputs, rows.mask, loss_fn_config).sum()
+        return loss, float(loss.detach())
 
     def _failed_ranks(self, failed: bool) -> list[int]:
         """Every rank says whether it failed (one all-reduce of a flag per rank); the ranks that did."""
