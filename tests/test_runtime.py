@@ -485,7 +485,8 @@ def test_a_rank_that_abandons_a_collective_ends_the_call_at_once_and_restart_bri
     fresh = cluster.run(os.getpid)
     assert set(fresh).isdisjoint(pids) and _all_gone(pids)
     assert cluster.run(lambda: dist.all_reduce(torch.ones(1)) or 2) == [2, 2]  # a process group again
-    cluster.shutdown()
+    cluster.shutdown()  # on purpose: not broken
+    assert cluster.broken is None and cluster.closed
     with pytest.raises(ClusterBroken, match="shut down"):
         cluster.run(os.getpid)
 

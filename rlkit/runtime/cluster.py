@@ -116,7 +116,8 @@ class _Call:
 
 
 class Cluster:
-    """Workers started by ``rlkit.launch``; use ``run``, ``status`` and ``shutdown``.
+    """Workers started by ``rlkit.launch``; use ``run``, ``status`` and ``shutdown`` (``restart`` for fresh
+    workers once it broke).
 
     ``hang_timeout`` (seconds) and ``call_timeout`` (seconds or None) can be changed at any time;
     see the module docstring.
