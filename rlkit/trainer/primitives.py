@@ -317,6 +317,8 @@ class TrainingClient:
         """The error of a call that failed on the ranks; when they cannot go on together, the next call restarts
         them (:meth:`_restore`)."""
         kinds = [_kind(f.exc_type) for f in err.failures] if isinstance(err, RemoteError) else []
+        # A CollectiveAbandoned, even on every rank: they may have left FSDP's collectives at different points (an
+        # all-gather issued on one rank only), so the process group is not trusted any more.
         if CollectiveAbandoned.__name__ in kinds or self.cluster.broken is not None:
             self._lost = _cause(err)
             return RuntimeError(f"{name} failed: {self._lost}; the ranks could not finish the call together, so "

@@ -185,8 +185,6 @@ class PrimitivesWorker(ActorRole):
                     loss_sum += value
                     if backward:
                         _in_collectives("the backward", loss.backward)
-        except CollectiveAbandoned:  # the workers are stopped
-            raise
         except Exception:
             if backward:  # this call's share of the gradients may be partly in them: drop them all, on every rank
                 self.actor.optimizer.zero_grad(set_to_none=True)
