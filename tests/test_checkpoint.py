@@ -261,3 +261,18 @@ def test_a_resume_that_fails_in_the_workers_still_offers_the_checkpoint_it_resum
     assert code == 1 and "RuntimeError: Error(s) in loading state_dict: size mismatch" in said, said
     assert f"kept in {tmp_path / 'run'}: checkpoint step-000003" in said
     assert "then resume with: rlkit train" in said and "nothing to resume from" not in said
+
+
+def test_a_save_that_fails_leaves_no_partial_folder_and_the_earlier_one_whole(tmp_path):
+    final = tmp_path / "state"
+    final.mkdir()
+    (final / "weights").write_text("earlier")
+    with pytest.raises(OSError, match="disk full"), checkpoints.written_in_place(final) as partial:
+        (partial / "weights").write_text("half")
+        raise OSError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]  # no .state.partial-*
+    assert (final / "weights").read_text() == "earlier"
+    with checkpoints.written_in_place(final) as partial:
+        (partial / "weights").write_text("later")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]  # no .state.old-* either
+    assert (final / "weights").read_text() == "later"

@@ -2,6 +2,10 @@
 losses, per-datum log-probs and the adapters after AdamW equal the reference's; the sampler samples the saved
 weights, and its log-probs of the sampled tokens are the trainer's."""
 
+import json
+import os
+import re
+import signal
 import time
 
 import pytest
@@ -10,6 +14,7 @@ import torch
 import rlkit
 from rlkit.models import load_causal_lm, resolve_model_dir
 from rlkit.models.lora import apply_lora, is_adapter_param
+from rlkit.trainer.primitives import saved_lora
 from tests.numerics import GRAD_ERROR_OF_NORM, adamw_first_step_tolerance, assert_close
 
 pytest.importorskip("peft")
@@ -232,6 +237,28 @@ def test_load_state_restores_the_saved_adapters_and_adamw_so_the_next_step_repea
         narrower.load_state(saved).result()
 
 
+def test_a_state_saved_before_lora_settings_were_recorded_is_refused_naming_the_cause_and_the_fix(cluster, tmp_path):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    saved = client.save_state(tmp_path / "old").result()
+    meta = json.loads((saved / "client.json").read_text())
+    old = {"model": meta["model"], "lora_rank": 4, "step": 0}  # all that a state of rlkit 79ff466 records
+    (saved / "client.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError) as err:
+        client.load_state(saved).result()
+    assert str(err.value) == (
+        "old: its client.json records no lora_alpha, lora_target_modules, lora_modules_to_save: an rlkit from before "
+        "states recorded their LoRA settings (issue 42) saved it, so nothing says which adapters it holds. If you know "
+        "the settings it was saved with, add them to its client.json (lora_alpha: 8.0, lora_target_modules: "
+        '"all-linear", lora_modules_to_save: [] are this client\'s) and load it again; once loaded, save_state writes '
+        "a state this version loads")  # fmt: skip
+    with pytest.raises(ValueError, match="records no lora_alpha, lora_target_modules, lora_modules_to_save"):
+        saved_lora(saved)  # create_training_client_from_state's reading of it
+    fixed = {**old, "lora_alpha": 8.0, "lora_target_modules": "all-linear", "lora_modules_to_save": []}
+    (saved / "client.json").write_text(json.dumps(fixed))  # the fix the message gives
+    client.load_state(saved).result()
+    assert saved_lora(saved) == {"rank": 4, "alpha": 8.0, "target_modules": "all-linear", "modules_to_save": []}
+
+
 def ce_datum(tokens: list[int], targets: list[int]) -> rlkit.Datum:
     return rlkit.Datum(tokens=tokens, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(tokens)})
 
@@ -258,6 +285,97 @@ def test_bad_data_is_refused_on_the_controller_and_a_bad_share_fails_every_rank_
     ce, _ = data()
     assert client.forward_backward(ce, "cross_entropy").result(timeout=60).loss > 0  # the cluster still serves
     assert client.optim_step(ADAM).result(timeout=60).step == 1
+
+
+def plant_fault(where: str, skip: int = 0) -> None:
+    """On a worker: rank 1's next micro-batch (after ``skip`` of its losses) raises once, in its loss (between the
+    collectives: "loss") or inside the first decoder layer's forward, after that layer's all-gather ("forward"); or
+    rank 1 dies in its loss ("die": SIGKILL, as the out-of-memory killer does)."""
+    from rlkit.runtime import context, local_instance
+    from rlkit.workers import primitives
+
+    if context().rank != 1:
+        return
+    if where in ("loss", "die"):
+        real, calls = primitives.tinker_token_loss, []
+
+        def faulty_loss(*args, **kwargs):
+            calls.append(1)
+            if len(calls) <= skip:
+                return real(*args, **kwargs)
+            primitives.tinker_token_loss = real
+            if where == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("planted fault in the loss")
+
+        primitives.tinker_token_loss = faulty_loss
+        return
+    model = local_instance(primitives.PrimitivesWorker).actor.model
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+
+    def faulty_forward(*args, **kwargs):
+        raise RuntimeError("planted fault inside the forward")
+
+    layer.forward = faulty_forward
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 1])  # 1: the fault in the second micro-batch, after a backward
+def test_a_fault_between_the_collectives_on_one_rank_ends_the_call_on_every_rank_and_drops_its_gradients(
+    cluster, micro_batch_size
+):
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA, micro_batch_size=micro_batch_size))
+    cluster.run(set_adapters, start_adapters())
+    ce, is_ = data()
+    client.forward_backward(ce, "cross_entropy").result()  # gradients the failed call drops with its own
+    cluster.run(plant_fault, "loss", 0 if micro_batch_size == 8 else 1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        client.forward_backward(is_, "importance_sampling").result(timeout=60)
+    assert time.monotonic() - started < 20  # not hang_timeout (120 s): the ranks agreed before the backward
+    assert str(err.value) == ("forward_backward failed: rank 1 raised RuntimeError: planted fault in the loss; every "
+                              "rank ended the call together and the cluster serves on (the gradients accumulated "
+                              "since the last optim_step were dropped)")  # fmt: skip
+    assert cluster.broken is None
+    ce_out = client.forward_backward(ce, "cross_entropy")  # the step of the reference, as if nothing had failed
+    client.forward_backward(is_, "importance_sampling")
+    step = client.optim_step(ADAM).result(timeout=60)
+    ref = reference_step()
+    assert ce_out.result().loss == pytest.approx(ref["ce_loss"], rel=1e-5)
+    assert step.grad_norm == pytest.approx(ref["norm"], rel=1e-5) and step.step == 1
+    assert_adapters_equal_reference(cluster.run(actor_adapters)[0], ref)
+
+
+@pytest.mark.parametrize(("where", "cause"), [
+    ("forward", re.escape("rank 1 raised RuntimeError: planted fault inside the forward (in the forward, where the "
+                          "other ranks wait in its collectives)")),
+    ("die", r"rank 1 \(pid \d+\) died during the call \S+: killed by SIGKILL \(9\) \(often the out-of-memory killer\)"),
+])  # fmt: skip
+def test_a_fault_inside_one_ranks_forward_restarts_the_workers_and_restores_the_last_state(cluster, tmp_path, where,
+                                                                                           cause):  # fmt: skip
+    client = rlkit.TrainingClient(cluster, rlkit.PrimitivesConfig(lora=LORA))
+    cluster.run(set_adapters, start_adapters())
+    client.save_state(tmp_path / "start").result()
+    ce, is_ = data()
+    client.forward_backward(ce, "cross_entropy")
+    assert client.optim_step(ADAM).result(timeout=60).step == 1  # trained past the state: the restart loses it
+    pids = cluster.run(os.getpid)
+    cluster.run(plant_fault, where)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        client.forward_backward(ce, "cross_entropy").result(timeout=60)
+    assert time.monotonic() - started < 20  # rank 0 waits in an all-gather: stopped at once, not after 120 s
+    assert re.fullmatch(
+        f"forward_backward failed: {cause}; the ranks could not finish the call together, so the cluster's "
+        "workers were stopped: the next call restarts them and restores the state saved in start \\(save_state or "
+        "load_state\\)", str(err.value)), str(err.value)  # fmt: skip
+    ce_out = client.forward_backward(ce, "cross_entropy")  # restarts the workers, loads "start", then runs
+    client.forward_backward(is_, "importance_sampling")
+    step = client.optim_step(ADAM).result(timeout=180)
+    assert cluster.broken is None and set(cluster.run(os.getpid)).isdisjoint(pids)  # fresh workers
+    ref = reference_step()
+    assert ce_out.result().loss == pytest.approx(ref["ce_loss"], rel=1e-5)
+    assert step.grad_norm == pytest.approx(ref["norm"], rel=1e-5) and step.step == 1  # the step from "start" again
+    assert_adapters_equal_reference(cluster.run(actor_adapters)[0], ref)
 
 
 def record_head_calls() -> None:

@@ -1,5 +1,6 @@
 """Rollout pieces in one process: HF generate's log-probs against a forward pass, weight buckets, the gap warning."""
 
+import dataclasses
 import math
 import os
 
@@ -10,6 +11,7 @@ from rlkit.data.batch import Batch
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model_dir
 from rlkit.models.logprobs import response_logprobs
 from rlkit.rollout import HFEngine, SamplingParams, vllm_weights
+from rlkit.rollout.stops import StopSequences
 from rlkit.rollout.vllm import _engine_environment
 from rlkit.trainer.metrics import logprob_gap_warning
 
@@ -64,6 +66,32 @@ def test_hf_same_seed_same_completions(setup):
     params = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=5)
     a, b = engine.generate(ids, mask, params), engine.generate(ids, mask, params)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_hf_generation_ends_at_the_first_stop_of_every_row_not_at_max_new_tokens(setup):
+    engine, model, ids, mask = setup
+    tok = load_tokenizer(resolve_model_dir("tiny"))
+    engine = HFEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tokenizer=tok)
+    steps = []
+    model.forward = lambda *args, **kwargs: steps.append(1) or type(model).forward(model, *args, **kwargs)
+    try:
+        greedy = SamplingParams(n=1, max_new_tokens=40, temperature=0.0, top_p=1.0, seed=0, stop_at_eos=False)
+        free = engine.generate(ids[:1], mask[:1], greedy).response_ids[0].tolist()
+        assert len(steps) == 40
+        at = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])  # a token new at position >= 2
+        for stops in (StopSequences(tokens=frozenset({free[at]})), StopSequences(strings=(tok.decode([free[at]]),))):
+            steps.clear()
+            gen = engine.generate(ids[:1], mask[:1], dataclasses.replace(greedy, stops=stops))
+            assert len(steps) == at + 1, stops  # one decode step per token up to the stop, none after it
+            assert gen.response_ids[0, : at + 1].tolist() == free[: at + 1]
+            assert stops.cut(gen.response_ids[0].tolist(), tok.decode) == at + 1
+        steps.clear()  # four rows sampled: generate ends once every one of them stopped (each at its first token)
+        every = SamplingParams(n=2, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3,
+                               stops=StopSequences(tokens=frozenset(range(len(tok)))))  # fmt: skip
+        engine.generate(ids[:2], mask[:2], every)
+        assert len(steps) == 1
+    finally:
+        del model.forward
 
 
 def test_buckets_keep_order_and_names_and_cast():

@@ -462,6 +462,35 @@ def test_ranks_stuck_after_another_rank_failed_break_the_cluster(cluster):
     assert _all_gone(pids)
 
 
+@pytest.mark.timeout(90)
+def test_a_rank_that_abandons_a_collective_ends_the_call_at_once_and_restart_brings_fresh_workers(cluster):
+    from rlkit.runtime.errors import CollectiveAbandoned
+
+    cluster.hang_timeout = 120.0  # not what ends the call
+    pids = _pids(cluster)
+
+    def fn():
+        if context().rank == 1:
+            raise CollectiveAbandoned("RuntimeError: rank 1 gives up in the forward")
+        dist.barrier()  # rank 1 never enters it
+
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        cluster.run(fn)
+    assert time.monotonic() - started < 15
+    assert info.value.ranks == [1] and "rank 1 gives up in the forward" in str(info.value)
+    assert "rank 1 raised where they wait in its collectives (CollectiveAbandoned)" in str(info.value)
+    cluster.restart()
+    assert cluster.broken is None and not cluster.closed
+    fresh = cluster.run(os.getpid)
+    assert set(fresh).isdisjoint(pids) and _all_gone(pids)
+    assert cluster.run(lambda: dist.all_reduce(torch.ones(1)) or 2) == [2, 2]  # a process group again
+    cluster.shutdown()  # on purpose: not broken
+    assert cluster.broken is None and cluster.closed
+    with pytest.raises(ClusterBroken, match="shut down"):
+        cluster.run(os.getpid)
+
+
 @pytest.mark.timeout(60)
 def test_launch_replaces_earlier_cluster_and_shutdown_is_idempotent(tmp_path, caplog):
     first = launch(2, device="cpu")

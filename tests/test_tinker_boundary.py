@@ -20,7 +20,7 @@ import torch
 
 import rlkit
 from rlkit.models.loading import model_limits
-from rlkit.serving import futures, sessions, tinker_http, tinker_models
+from rlkit.serving import futures, sessions, tinker_http, tinker_models, tinker_states
 from rlkit.trainer.primitives import ForwardBackwardOutput, SampledSequence, TrainingClient
 from rlkit.workers.primitives import OptimResult
 
@@ -48,7 +48,7 @@ class StubClient(TrainingClient):
         self.model_dir = rlkit.models.resolve_model_dir(config.model)
         self.tokenizer = rlkit.models.load_tokenizer(self.model_dir)
         self.limits = model_limits(self.model_dir)
-        self._trainer_is_sampler = True
+        self._trainer_is_sampler, self._lost, self._last_state = True, None, None
         self._role = StubRole()
         self._queue = ThreadPoolExecutor(max_workers=1)
         self._samples, self._step, self._sampler_step = [], 0, 0
@@ -351,6 +351,21 @@ def test_only_a_folder_this_server_signed_for_that_path_is_loaded(server, tmp_pa
     body = request(server, "load_weights", {"model_id": model_id, "seq_id": next(seq), "path": path,
                                             "optimizer": True})[1]  # fmt: skip
     assert "changed since" in result(server, body["request_id"])["error"]
+
+
+def test_a_state_without_a_manifest_is_refused_naming_the_cause_and_the_fix(server):
+    model_id = model(server, session(server))
+    body = request(server, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "old"})[1]
+    path = result(server, body["request_id"])["path"]
+    (server.service.models.state_folder(path) / tinker_states.MANIFEST).unlink()  # as an rlkit before signing saved it
+    body = request(server, "load_weights", {"model_id": model_id, "seq_id": 2, "path": path, "optimizer": True})[1]
+    error = result(server, body["request_id"])["error"]
+    assert "the folder has no .rlkit-manifest.json" in error and "before the server signed its states" in error
+    assert "re-save a state of an earlier rlkit with this version: rlkit.TrainingClient(cluster, config).load_state" \
+        in error
+    status, body, _ = request(server, "load_weights", {"session_id": "session-x", "model_seq_id": 0, "path": path,
+                                                       "optimizer": False})  # fmt: skip
+    assert status == 400 and "the folder has no .rlkit-manifest.json" in body["error"]
 
 
 def test_interrupted_saves_are_cleaned_when_the_server_starts(tmp_path, monkeypatch):

@@ -364,3 +364,24 @@ def test_the_sdks_create_training_client_from_state_with_and_without_optimizer(s
     assert any(not torch.allclose(moved[n], after_first[n], rtol=1e-4, atol=1e-6) for n in moved)
     with pytest.raises(Exception, match="no state saved under that path"):
         service.create_training_client_from_state(saved + "-missing").result()
+
+
+def test_a_fault_on_one_rank_mid_call_answers_in_seconds_naming_the_rank_and_the_server_serves_on(service, cluster):
+    from tests.test_primitives import plant_fault
+
+    training = service.create_lora_training_client(base_model="tiny", rank=LORA.rank, seed=0).result(timeout=120)
+    cluster.run(set_adapters, start_adapters())
+    ce = [to_tinker(d) for d in data()[0]]
+    before = training.forward(ce, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    training.save_state("before-faults").result(timeout=60)  # what a restart of the workers restores
+    for where, outcome in (("loss", "every rank ended the call together and the cluster serves on"),
+                           ("forward", "the next call restarts them and restores the state saved in "
+                                       "before-faults")):  # fmt: skip
+        cluster.run(plant_fault, where)
+        started = time.monotonic()
+        with pytest.raises(Exception, match=f"rank 1 raised RuntimeError: planted fault .*{outcome}") as err:
+            training.forward_backward(ce, "cross_entropy").result(timeout=60)
+        assert time.monotonic() - started < 20, where  # not the 120 s of hang_timeout
+        assert "Traceback" not in str(err.value) and "/rlkit/" not in str(err.value), str(err.value)
+        again = training.forward(ce, "cross_entropy").result(timeout=180).metrics["loss:sum"]
+        assert again == pytest.approx(before, rel=1e-6), where  # the same weights, on fresh workers after "forward"

@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from rlkit.rollout.stops import StopSequences
+
 LOGIT_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "no_repeat_ngram_size")  # fmt: skip
 """Sampling settings that change the distribution sampled from (and so an engine's log-probs)."""
@@ -36,6 +38,10 @@ class SamplingParams:
     stop_at_eos: bool = True
     """End-of-text ends a completion; False: only ``max_new_tokens`` does (Tinker's ``stop=[]``), and an
     end-of-text token sampled on the way is an ordinary token of the completion."""
+    stops: StopSequences = StopSequences()
+    """Where a completion ends besides end-of-text (Tinker's ``stop``): the hf engine stops sampling a row at its
+    first stop and the whole call once every row ended; the caller cuts each row after its stop
+    (:meth:`StopSequences.cut`: an engine may hand back tokens past it, as vLLM's does)."""
 
 
 @dataclass(kw_only=True)

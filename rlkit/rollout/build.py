@@ -9,7 +9,7 @@ import torch
 
 from rlkit.config import LoraConfig, RolloutConfig
 from rlkit.config.sections import UNPLANNED_GPU_MEMORY_UTILIZATION
-from rlkit.models import load_causal_lm
+from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.models.lora import apply_lora
 from rlkit.rollout.base import RolloutEngine
 from rlkit.rollout.hf import HFEngine
@@ -67,7 +67,8 @@ def build_engine(
     model = load_causal_lm(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if adapters is not None:
         apply_lora(model, adapters)
-    return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+    return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, tokenizer=tokenizer)
 
 
 def _share(config: RolloutConfig) -> float:

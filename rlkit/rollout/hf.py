@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 
 from rlkit.rollout.base import LOGIT_SETTINGS, Generation, SamplingParams
+from rlkit.rollout.stops import StopSequences
 
 
 class HFEngine:
@@ -29,9 +30,11 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int):
+    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int, tokenizer: Any = None):
+        """``tokenizer``: the model's, for stop strings (:attr:`SamplingParams.stops`)."""
         from transformers import GenerationConfig
 
+        self.tokenizer = tokenizer
         model.eval().requires_grad_(False)
         self.model: Any = cast(Any, model)  # a transformers model: generate() is typed loosely
         self.model.generation_config = GenerationConfig()  # generate() fills unset settings from this one
@@ -47,6 +50,7 @@ class HFEngine:
             attention_mask=prompt_mask.repeat_interleave(params.n, dim=0),
             generation_config=self._generation_config(params),
             logits_processor=[recorder],
+            stopping_criteria=self._stopping(params.stops),
         )
         response = sequences[:, prompt_ids.shape[1] :]
         logprobs = recorder.result(response)
@@ -59,6 +63,18 @@ class HFEngine:
             logprob_rows=torch.ones(len(response), dtype=torch.bool, device=response.device),
             finish_reason=["stop" if f else "length" for f in finished.tolist()],
         )
+
+    def _stopping(self, stops: StopSequences) -> list[Any]:
+        """transformers' stopping criteria for ``stops``: a row ends once its last token is a stop token or its text
+        ends a stop string; generate stops when every row ended (end-of-text included)."""
+        from transformers import StopStringCriteria
+
+        criteria: list[Any] = [_StopTokens(stops.tokens)] if stops.tokens else []
+        if stops.strings:
+            if self.tokenizer is None:
+                raise ValueError(f"stop strings {list(stops.strings)}: this hf engine has no tokenizer to match them")
+            criteria.append(StopStringCriteria(self.tokenizer, list(stops.strings)))
+        return criteria
 
     def effective_sampling(self, params: SamplingParams) -> dict[str, object]:
         """The settings of :data:`~rlkit.rollout.base.LOGIT_SETTINGS` generate applies for ``params``: rlkit's
@@ -98,6 +114,17 @@ class HFEngine:
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""
+
+
+class _StopTokens:
+    """A stopping criterion: the rows whose last token is one of ``tokens``."""
+
+    def __init__(self, tokens: frozenset[int]):
+        self._tokens = torch.tensor(sorted(tokens))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """input_ids: [B, L] so far -> [B] bool, True where the row ended."""
+        return torch.isin(input_ids[:, -1], self._tokens.to(input_ids.device))
 
 
 class _SampledLogprobs:

@@ -6,11 +6,13 @@ calls and results and manages the workers.
 Watching a call: a worker that dies is reported at once (``WorkerDied``). A call is declared hung
 (``WorkerHung``, or ``RemoteError`` when another rank raised) when some ranks are still running
 ``hang_timeout`` seconds after another rank finished it (returned or raised): the signature of a
-rank stuck in a collective that the others never entered. ``call_timeout`` (off by default) bounds
+rank stuck in a collective that the others never entered. A rank that raises ``CollectiveAbandoned``
+says so itself: the others are declared hung at once. ``call_timeout`` (off by default) bounds
 every call, which also catches all ranks stuck at once. The hung ranks' Python stacks go into
 the error; they are then cancelled, and if they do not stop (blocked inside a collective) the
 cluster is shut down. A KeyboardInterrupt (the notebook's stop button) cancels the call the same
-way, so the kernel gets control back within seconds.
+way, so the kernel gets control back within seconds. ``restart`` replaces the workers of a broken
+cluster by fresh ones.
 """
 
 from __future__ import annotations
@@ -32,13 +34,23 @@ import pandas as pd
 
 from rlkit.runtime import transport
 from rlkit.runtime.core import CANCELLED
-from rlkit.runtime.errors import RELAUNCH_HINT, ClusterBroken, RankFailure, WorkerDied, WorkerHung, remote_error
+from rlkit.runtime.errors import (
+    RELAUNCH_HINT,
+    ClusterBroken,
+    CollectiveAbandoned,
+    RankFailure,
+    WorkerDied,
+    WorkerHung,
+    remote_error,
+)
 from rlkit.runtime.logs import LogFolder, OutputForwarder
 
 logger = logging.getLogger(__name__)
 
 CANCEL_GRACE_S = 2.0  # how long cancelled ranks get to stop before the cluster is shut down
 STACKS_WAIT_S = 2.0
+ABANDONED = f"{CollectiveAbandoned.__module__}.{CollectiveAbandoned.__qualname__}"
+"""The ``exc_type`` of a rank's ``CollectiveAbandoned``."""
 STATUS_COLUMNS = ["rank", "pid", "host", "device", "alive", "busy", "call", "heartbeat_age_s",
                   "rss_mb"]
 
@@ -104,7 +116,8 @@ class _Call:
 
 
 class Cluster:
-    """Workers started by ``rlkit.launch``; use ``run``, ``status`` and ``shutdown``.
+    """Workers started by ``rlkit.launch``; use ``run``, ``status`` and ``shutdown`` (``restart`` for fresh
+    workers once it broke).
 
     ``hang_timeout`` (seconds) and ``call_timeout`` (seconds or None) can be changed at any time;
     see the module docstring.
@@ -122,10 +135,14 @@ class Cluster:
         self._call: _Call | None = None
         self._broken: str | None = None
         self._closed = False
-        self._backend = make_backend(self.id)
-        self._backend.output.verbose = verbose
+        self._make_backend, self._verbose, self._owns_log_dir = make_backend, verbose, owns_log_dir
+        self._start()
+
+    def _start(self) -> None:
+        self._backend = self._make_backend(self.id)
+        self._backend.output.verbose = self._verbose
         log_dir = self._backend.log_dir
-        self._logs = None if log_dir is None else LogFolder(Path(log_dir), owned=owns_log_dir)
+        self._logs = None if log_dir is None else LogFolder(Path(log_dir), owned=self._owns_log_dir)
         # Stops the workers if this object is garbage-collected without shutdown().
         self._finalizer = weakref.finalize(self, _stop, self._backend, self._logs)
 
@@ -225,6 +242,10 @@ class Cluster:
     def _watch(self, call: _Call) -> None:
         """Raise if the call hung: see the module docstring."""
         now = time.monotonic()
+        abandoned = [f.rank for f in call.failures if f.exc_type == ABANDONED]
+        if abandoned and call.running(self.world_size):
+            self._hung(call, f"rank {abandoned[0]} raised where they wait in its collectives "
+                             f"({CollectiveAbandoned.__name__})")
         if self.call_timeout is not None and now - call.started > self.call_timeout:
             self._hung(call, f"the call ran longer than call_timeout={self.call_timeout:g} s")
         if call.first_done is not None and now - call.first_done[0] > self.hang_timeout:
@@ -292,6 +313,12 @@ class Cluster:
         """True once the cluster is shut down (or broken, which shuts it down)."""
         return self._closed
 
+    @property
+    def broken(self) -> str | None:
+        """Why the cluster broke and was shut down (a rank died, or ranks could not be cancelled); None while
+        it is usable, or when it was shut down on purpose."""
+        return self._broken
+
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise ClusterBroken(f"cluster is broken ({self._broken}): {RELAUNCH_HINT}")
@@ -317,6 +344,21 @@ class Cluster:
         failed (then it is kept, and logged). Idempotent."""
         self._closed = True
         self._finalizer()
+
+    def restart(self) -> None:
+        """Stop the workers (if any still run) and start fresh ones with the launch's settings: a broken
+        cluster is usable again. Every role and everything the workers held (``context().state``) is gone;
+        the old workers' log folder is kept when something failed there."""
+        if not self._io_lock.acquire(blocking=False):
+            raise RuntimeError("cannot restart while a cluster.run is in progress (in another thread)")
+        try:
+            self.shutdown()
+            self.id = secrets.token_hex(6)
+            self._start()
+            self._broken, self._closed = None, False
+            logger.info("restarted as %r", self)
+        finally:
+            self._io_lock.release()
 
     def __enter__(self) -> Cluster:
         return self

@@ -141,6 +141,14 @@ class WorkerHung(TimeoutError):
         super().__init__("\n".join(lines))
 
 
+class CollectiveAbandoned(RuntimeError):
+    """Raised on a rank whose call failed where the other ranks wait, or will wait, in a collective it will not
+    enter (inside an FSDP forward or backward): the controller ends the call at once rather than
+    ``hang_timeout`` seconds later. The other ranks' stacks are taken and they are cancelled; blocked inside the
+    collective they cannot be, and the cluster is shut down (:meth:`rlkit.runtime.Cluster.restart` starts fresh
+    workers)."""
+
+
 class ClusterBroken(RuntimeError):
     """The cluster cannot take calls any more (a worker died, a call was interrupted, or it was shut down)."""
 

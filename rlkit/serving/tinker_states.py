@@ -68,6 +68,13 @@ class StateFolders:
         folder = self.folder(found["model"], found["name"])[1]
         if not folder.is_dir():
             raise ValueError(f"path={tinker_path!r}: no state saved under that path on this server")
+        if not (folder / MANIFEST).is_file():
+            raise ValueError(f"path={tinker_path!r}: the folder has no {MANIFEST}, so it was not written by this "
+                             "server's save_state: an rlkit from before the server signed its states (issue 42) wrote "
+                             "it, or something else did; this server loads only the states it signed. To re-save a "
+                             "state of an earlier rlkit with this version: rlkit.TrainingClient(cluster, "
+                             "config).load_state(folder) in Python, rlkit.serve_tinker(that client), then the SDK's "
+                             "save_state")  # fmt: skip
         try:
             manifest = json.loads((folder / MANIFEST).read_text())
             files = _digests(folder)

@@ -12,6 +12,11 @@ Example:
 One thread runs the calls in the order they were made (Tinker's ``seq_id`` order), so ``forward_backward`` and
 ``optim_step`` can be queued without waiting and ``sample`` sees the weights of the last
 ``save_weights_for_sampler`` queued before it.
+
+A call that leaves the ranks unable to go on together (one raised inside a forward's or backward's collectives, a
+rank died, ranks hung past cancelling) fails with one message naming the rank; the cluster's workers are stopped,
+and the next call first restarts them (``Cluster.restart``) and restores the client's last state: the folder of its
+last ``save_state`` or ``load_state``, else its initial adapters.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ from rlkit.rollout import SamplingParams
 from rlkit.rollout.stops import StopSequences
 from rlkit.runtime import PerRank, RoleGroup, RoleOwner
 from rlkit.runtime.cluster import Cluster
-from rlkit.runtime.errors import RemoteError
+from rlkit.runtime.errors import ClusterBroken, CollectiveAbandoned, RemoteError, WorkerDied, WorkerHung
 from rlkit.trainer.checkpoints import written_in_place
-from rlkit.workers.primitives import AdamStep, DataRefused, OptimResult, PeerRefused, PrimitivesWorker
+from rlkit.workers.primitives import AdamStep, DataRefused, OptimResult, PeerFailed, PeerRefused, PrimitivesWorker
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +106,18 @@ class TrainingClient:
         self._trainer_is_sampler = True
         """No optimizer step or load_state since the sampler's weights were last synced (the engine starts with the
         actor's)."""
+        self._last_state: Path | None = None
+        """The folder of the last save_state or load_state: what a restart restores."""
+        self._lost: str | None = None
+        """Why the ranks could not go on together (the next call restarts them), or None."""
 
     def _submit(self, fn: Callable[[], T]) -> Future[T]:
-        return self._queue.submit(fn)
+        return self._queue.submit(self._restored_then, fn)
+
+    def _restored_then(self, fn: Callable[[], T]) -> T:
+        if self._lost is not None:
+            self._restore()
+        return fn()
 
     # -- the primitives ---------------------------------------------------------------------------
 
@@ -165,7 +179,8 @@ class TrainingClient:
             raise ValueError("sample: " + "; ".join(problems))
         params = SamplingParams(n=num_samples, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 seed=self.config.seed if seed is None else seed,
-                                stop_at_eos=stop is None or isinstance(stop, str) or len(stop) > 0)  # fmt: skip
+                                stop_at_eos=stop is None or isinstance(stop, str) or len(stop) > 0,
+                                stops=stops)  # fmt: skip
         return self._submit(lambda: self._sample(list(prompt), params, stops))
 
     def prompt_logprobs(self, prompt: Sequence[int]) -> Future[list[float]]:
@@ -242,33 +257,30 @@ class TrainingClient:
         rows = pad_data(data, loss_fn, share * world)
         shares = [rows.rows(r * share, (r + 1) * share) for r in range(world)]
         config = dict(loss_fn_config) if loss_fn_config is not None else None
-        try:
-            results = self._role.call(PrimitivesWorker.forward_backward, PerRank(shares), loss_fn, config, backward)
-        except RemoteError as err:
-            refusal = _refusal(err, world)
-            if refusal is None:
-                raise
-            raise refusal from None
+        dropped = " (the gradients accumulated since the last optim_step were dropped)" if backward else ""
+        results = self._call(PrimitivesWorker.forward_backward, PerRank(shares), loss_fn, config, backward,
+                             note=dropped)  # fmt: skip
         logprobs = [lp for result in results for lp in result.logprobs]
         return ForwardBackwardOutput(logprobs=logprobs, metrics={"loss:sum": sum(r.loss_sum for r in results)})
 
     def _optim_step(self, adam: AdamStep) -> OptimResult:
         self._trainer_is_sampler = False
-        result = self._role.call(PrimitivesWorker.optim_step, adam)[0]
+        result = self._call(PrimitivesWorker.optim_step, adam)[0]
         self._step = result.step
         return result
 
     def _sync(self) -> int:
-        loaded = self._role.call(PrimitivesWorker.sync_engine)[0]
+        loaded = self._call(PrimitivesWorker.sync_engine)[0]
         self._sampler_step, self._trainer_is_sampler = self._step, True
         return loaded
 
     def _save_state(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with written_in_place(path) as partial:
-            self._role.call(PrimitivesWorker.save_state, str(partial))
+            self._call(PrimitivesWorker.save_state, str(partial))
             meta = {"model": str(self.model_dir), **self._lora_meta(), "step": self._step}
             (partial / STATE_META).write_text(json.dumps(meta))
+        self._last_state = path
         return path
 
     def _load_state(self, path: Path, optimizer: bool) -> None:
@@ -276,14 +288,66 @@ class TrainingClient:
             raise ValueError(f"{path.name}: not a folder written by save_state (no {STATE_META})")
         meta = json.loads((path / STATE_META).read_text())
         mine = {"model": str(self.model_dir), **self._lora_meta()}
+        _check_recorded(path, meta, mine)
         problems = [f"{key}={meta.get(key)!r} there, {value!r} here" for key, value in mine.items()
                     if meta.get(key) != value]  # fmt: skip
         if problems:
             raise ValueError(f"load_state {path.name}: a checkpoint of another client (" + "; ".join(problems) +
                              "); load it into a TrainingClient with that model and those LoRA settings")  # fmt: skip
         self._trainer_is_sampler = False
-        self._role.call(PrimitivesWorker.load_state, str(path), optimizer, int(meta["step"]))
+        self._call(PrimitivesWorker.load_state, str(path), optimizer, int(meta["step"]))
         self._step = int(meta["step"])
+        self._last_state = path
+
+    def _call(self, method: Callable[..., T], *args: object, note: str = "") -> list[T]:
+        """``method`` on every rank (:meth:`RoleGroup.call`); a failure on the ranks raises one error: the data's
+        refusal (a ValueError), or a RuntimeError naming the ranks' errors and what became of the cluster
+        (``note`` added when the ranks ended the call together)."""
+        try:
+            return self._role.call(method, *args)
+        except RemoteError as err:
+            refusal = _refusal(err, self.cluster.world_size)
+            if refusal is not None:
+                raise refusal from None
+            raise self._failure(method.__name__, err, note) from err
+        except (ClusterBroken, WorkerDied, WorkerHung) as err:
+            raise self._failure(method.__name__, err, note) from err
+
+    def _failure(self, name: str, err: Exception, note: str) -> Exception:
+        """The error of a call that failed on the ranks; when they cannot go on together, the next call restarts
+        them (:meth:`_restore`)."""
+        kinds = [_kind(f.exc_type) for f in err.failures] if isinstance(err, RemoteError) else []
+        # A CollectiveAbandoned, even on every rank: they may have left FSDP's collectives at different points (an
+        # all-gather issued on one rank only), so the process group is not trusted any more.
+        if CollectiveAbandoned.__name__ in kinds or self.cluster.broken is not None:
+            self._lost = _cause(err)
+            return RuntimeError(f"{name} failed: {self._lost}; the ranks could not finish the call together, so "
+                                "the cluster's workers were stopped: the next call restarts them and restores "
+                                f"{self._restore_point()}")  # fmt: skip
+        if PeerFailed.__name__ in kinds:
+            return RuntimeError(f"{name} failed: {_cause(err)}; every rank ended the call together and the "
+                                f"cluster serves on{note}")  # fmt: skip
+        return err
+
+    def _restore_point(self) -> str:
+        state = self._last_state
+        if state is None:
+            return f"the initial adapters (seed {self.config.seed}, optimizer step 0)"
+        return f"the state saved in {state.name} (save_state or load_state)"
+
+    def _restore(self) -> None:
+        """Restart the cluster's workers, build the roles anew and load the last state (its adapters, AdamW's
+        moments and step) into the trainer and the sampler."""
+        self.owner.check(self.cluster)  # no other owner's roles are stopped
+        logger.warning("restarting the cluster's workers (%s); restoring %s", self._lost, self._restore_point())
+        self.cluster.restart()
+        self._role = RoleGroup(self.cluster, PrimitivesWorker, self.config, str(self.model_dir), owner=self.owner)
+        self._step = self._sampler_step = 0
+        self._trainer_is_sampler = True
+        if self._last_state is not None:
+            self._load_state(self._last_state, optimizer=True)
+            self._sync()
+        self._lost = None
 
     def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
         if not self._trainer_is_sampler:
@@ -303,7 +367,7 @@ class TrainingClient:
     def _sample(self, prompt: list[int], params: SamplingParams, stops: StopSequences) -> list[SampledSequence]:
         world = self.cluster.world_size
         prompts = [torch.tensor([prompt])] + [torch.zeros(0, len(prompt), dtype=torch.long)] * (world - 1)
-        rows = self._role.call(PrimitivesWorker.sample, PerRank(prompts), params)[0]
+        rows = self._call(PrimitivesWorker.sample, PerRank(prompts), params)[0]
         sequences = []
         for i, reason in enumerate(rows.finish_reason):
             n = int(rows.response_mask[i].sum())
@@ -322,15 +386,51 @@ def saved_lora(path: Path) -> dict[str, object]:
     for a folder save_state did not write)."""
     meta_file = path / STATE_META
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    if any(key not in meta for key in LORA_KEYS):
-        raise ValueError(f"{path.name}: not a folder written by save_state (no LoRA settings in its {STATE_META})")
+    if "model" not in meta or "step" not in meta:
+        raise ValueError(f"{path.name}: not a folder written by save_state (no {STATE_META} with its model and step)")
+    _check_recorded(path, meta, None)
     return {key.removeprefix("lora_"): meta[key] for key in LORA_KEYS}
+
+
+def _check_recorded(path: Path, meta: dict[str, object], mine: dict[str, object] | None) -> None:
+    """ValueError naming the cause and the fix when the folder's :data:`STATE_META` lacks LoRA settings that
+    :data:`LORA_KEYS` names: an rlkit before they were recorded saved it (it recorded the rank only). ``mine``: the
+    loading client's settings, offered as the values to add if they are the ones it was saved with."""
+    missing = [key for key in LORA_KEYS if key not in meta]
+    if not missing:
+        return
+    fix = ("" if mine is None else f" ({', '.join(f'{k}: {json.dumps(mine[k])}' for k in missing)} are this "
+           "client's)")  # fmt: skip
+    raise ValueError(f"{path.name}: its {STATE_META} records no {', '.join(missing)}: an rlkit from before states "
+                     "recorded their LoRA settings (issue 42) saved it, so nothing says which adapters it holds. If "
+                     f"you know the settings it was saved with, add them to its {STATE_META}{fix} and load it again; "
+                     "once loaded, save_state writes a state this version loads")  # fmt: skip
+
+
+def _kind(exc_type: str) -> str:
+    """A rank's exception class without its module (the workers name the class with it)."""
+    return exc_type.rsplit(".", 1)[-1]
+
+
+def _cause(err: Exception) -> str:
+    """One line on what failed: each rank's exception and its first line (no traceback), ranks that only followed
+    another's failure left out."""
+    if not isinstance(err, RemoteError):
+        return str(err).splitlines()[0].rstrip(".")
+    lines = []
+    for f in err.failures:
+        kind, first = _kind(f.exc_type), (f.message.splitlines() or [""])[0]
+        if kind == CollectiveAbandoned.__name__:
+            lines.append(f"rank {f.rank} raised {first}")
+        elif kind != PeerFailed.__name__:
+            lines.append(f"rank {f.rank} raised {kind}: {first}")
+    return "; ".join(lines)
 
 
 def _refusal(err: RemoteError, world_size: int) -> ValueError | None:
     """The ranks' refusal of their data as one ValueError (their reasons, no remote traceback), when that is what
     ``err`` is: every rank raised before its first forward (see ``PrimitivesWorker._agree``)."""
-    kinds = [f.exc_type.rsplit(".", 1)[-1] for f in err.failures]  # the workers name the class with its module
+    kinds = [_kind(f.exc_type) for f in err.failures]
     if len(err.failures) != world_size or not set(kinds) <= {DataRefused.__name__, PeerRefused.__name__}:
         return None
     return ValueError("forward_backward: the data breaks the model's limits: " + "; ".join(

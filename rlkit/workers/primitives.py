@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,12 @@ from rlkit.models.head import response_head
 from rlkit.models.loading import model_limits
 from rlkit.models.logprobs import sampled_logprobs
 from rlkit.rollout import SamplingParams, build_engine
+from rlkit.runtime.errors import CollectiveAbandoned
 from rlkit.workers.actor import ActorRole
 from rlkit.workers.batches import micro_batch_positions
 from rlkit.workers.lora import engine_weights
+
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -99,6 +103,20 @@ class PeerRefused(ValueError):
     """Another rank refused this call's data (its :class:`DataRefused` says why)."""
 
 
+class PeerFailed(RuntimeError):
+    """Another rank raised between the collectives of this call: every rank ends it (see ``_agreed``)."""
+
+
+def _in_collectives(what: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, which holds collectives (an FSDP forward or backward): an error in it, on one rank, leaves the
+    others waiting in one, so it is raised as :class:`CollectiveAbandoned` (the controller stops them at once)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise CollectiveAbandoned(f"{type(exc).__name__}: {exc} (in {what}, where the other ranks wait in its "
+                                  "collectives)") from exc  # fmt: skip
+
+
 class PrimitivesWorker(ActorRole):
     """One rank's share of a Tinker-style training client: the LoRA actor and AdamW, and a whole rollout engine."""
 
@@ -145,7 +163,11 @@ class PrimitivesWorker(ActorRole):
         through the fused LM head (:mod:`rlkit.models.head`) where the model has one: no [b, N, V] logits.
 
         Every rank checks its rows against the model's limits and the ranks agree before the first forward
-        (:meth:`_agree`), so bad data raises on all of them together instead of leaving some in a collective."""
+        (:meth:`_agree`), so bad data raises on all of them together instead of leaving some in a collective. An
+        error between the collective-bearing phases (a micro-batch's slicing, its loss) is agreed on the same way
+        before the next phase (:meth:`_agreed`), and with ``backward`` drops the gradients accumulated since the last
+        optimizer step; one inside a forward or backward raises :class:`CollectiveAbandoned` (the other ranks wait
+        in its collectives: the controller stops them)."""
         self._agree(rows_problems(rows, self.limits.vocab_size, self.limits.context))
         if backward and self.pending == 0:
             self.memory.reset()
@@ -153,32 +175,66 @@ class PrimitivesWorker(ActorRole):
         logprobs = torch.zeros(rows.mask.shape, device=self.device)
         loss_sum = 0.0
         micros = micro_batch_positions(torch.tensor(rows.lengths), self.config.micro_batch_size)
-        with self.actor.accumulation(micros) as steps, torch.set_grad_enabled(backward):
-            for index in steps:
-                micro = rows.rows(int(index[0]), int(index[-1]) + 1)
-                micro_logprobs = self._target_logprobs(micro)
-                loss = tinker_token_loss(loss_fn, micro_logprobs, micro.inputs, micro.mask, loss_fn_config).sum()
-                if backward:
-                    loss.backward()
-                logprobs[index.to(self.device)] = micro_logprobs.detach().float()
-                loss_sum += float(loss.detach())
+        try:
+            with self.actor.accumulation(micros) as steps, torch.set_grad_enabled(backward):
+                for index in steps:
+                    micro = self._agreed("slicing a micro-batch", rows.rows, int(index[0]), int(index[-1]) + 1)
+                    micro_logprobs = _in_collectives("the forward", self._target_logprobs, micro)
+                    loss, value = self._agreed("the loss", self._micro_loss, micro, micro_logprobs, loss_fn,
+                                               loss_fn_config, logprobs, index)  # fmt: skip
+                    loss_sum += value
+                    if backward:
+                        _in_collectives("the backward", loss.backward)
+        except Exception:
+            if backward:  # this call's share of the gradients may be partly in them: drop them all, on every rank
+                self.actor.optimizer.zero_grad(set_to_none=True)
+                self.pending = 0
+            raise
         if backward:
             self.pending += 1
             self.memory.mark("forward_backward")
         kept = [logprobs[i, :n].cpu() for i, n in enumerate(rows.lengths) if n > 0]
         return ForwardResult(logprobs=kept, loss_sum=loss_sum)
 
-    def _agree(self, problems: list[str]) -> None:
-        """Raise on every rank when any rank has ``problems`` (one all-reduce of a flag per rank, before any other
-        collective of the call): :class:`DataRefused` where they are, :class:`PeerRefused` elsewhere."""
+    def _micro_loss(self, rows: DatumRows, logprobs: torch.Tensor, loss_fn: str,
+                    loss_fn_config: Mapping[str, float] | None, into: torch.Tensor,
+                    index: torch.Tensor) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """One micro-batch's loss: Tinker's per-token loss of its ``logprobs`` [b, N], summed (a scalar tensor), and
+        its value; the log-probs go into rows ``index`` [b] of ``into`` [B, N]."""
+        into[index.to(self.device)] = logprobs.detach().float()
+        loss = tinker_token_loss(loss_fn, logprobs, rows.inputs, rows.mask, loss_fn_config).sum()
+        return loss, float(loss.detach())
+
+    def _failed_ranks(self, failed: bool) -> list[int]:
+        """Every rank says whether it failed (one all-reduce of a flag per rank); the ranks that did."""
         flags = torch.zeros(self.world_size, device=self.device)
-        flags[self.rank] = float(bool(problems))
+        flags[self.rank] = float(failed)
         dist.all_reduce(flags)
+        return [int(r) for r in flags.nonzero().flatten().tolist()]
+
+    def _agree(self, problems: list[str]) -> None:
+        """Raise on every rank when any rank has ``problems`` (before any other collective of the call):
+        :class:`DataRefused` where they are, :class:`PeerRefused` elsewhere."""
+        refused = self._failed_ranks(bool(problems))
         if problems:
             raise DataRefused(f"rank {self.rank}'s share: " + "; ".join(problems))
-        if flags.any():
-            refused = flags.nonzero().flatten().tolist()
+        if refused:
             raise PeerRefused(f"ranks {refused} refused their share of the data")
+
+    def _agreed(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, which holds no collective, then the ranks agree whether it raised anywhere: if so the call
+        ends on every rank, with its own error where it raised and :class:`PeerFailed` elsewhere."""
+        error = None
+        try:
+            value = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - raised again below, once the ranks know
+            error = exc
+        failed = self._failed_ranks(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise PeerFailed(f"ranks {failed} failed in {what}")
+        return value
 
     def _target_logprobs(self, rows: DatumRows) -> torch.Tensor:
         """[b, N] log-probs (temperature 1) of ``rows.target_tokens`` under the actor; 0 on padding. With a
