@@ -64,6 +64,7 @@ def test_an_unset_engine_memory_is_sized_to_the_rollout_and_the_engine_told_a_sh
 def test_the_engine_stays_awake_where_both_fit_and_sleeps_where_not_and_the_plan_says_why():
     small, large = plan(yardstick()), plan(yardstick(), QWEN_15B)
     assert small.estimate.engine_awake and "vLLM stays awake through the update" in small.line
+    assert small.estimate.engine_line in str(small.estimate)  # trainer.estimate() says it too
     assert not large.estimate.engine_awake
     assert "vLLM sleeps through the update (awake, the peak would be" in large.line
     room = (1 - AWAKE_HEADROOM) * H100

@@ -132,6 +132,19 @@ class MemoryEstimate:
         return not total or sum(self.host_gib.values()) <= (1 - HOST_HEADROOM) * total
 
     @property
+    def engine_line(self) -> str | None:
+        """Whether vLLM stays awake through the update under ``rollout.sleep="auto"``, and why (None otherwise)."""
+        s = self.setting
+        if s.engine != "vllm" or s.engine_sleep != "auto":
+            return None
+        room = (1 - AWAKE_HEADROOM) * s.device_memory_gib
+        peak = _estimate(self.shape, dataclasses.replace(s, engine_sleep="never")).peak_gib
+        if self.engine_awake:
+            return f"vLLM stays awake through the update (with it awake, peak {peak:.1f} GiB <= {room:.1f})"
+        return (f"vLLM sleeps through the update (awake, the peak would be {peak:.1f} GiB > {room:.1f}, "
+                f"{AWAKE_HEADROOM:.0%} of the device kept spare)")
+
+    @property
     def trainer_bytes(self) -> int:
         """What the trainer's process reserves at its peak after the rollout (scoring, the update, the optimizer
         step): the allocated peak with the allocator's fragmentation; what "auto" sleep weighs the engine against."""
@@ -177,7 +190,7 @@ class MemoryEstimate:
                 f"{self.peak_phase!r} on a {s.device_memory_gib:.1f} GiB device: {verdict}")
         if self.keep_unsharded:
             head += f"; FSDP units kept gathered through the {s.micro_batches_per_step} micro-batches of a step"
-        lines = [head, self.to_pandas().round(2).to_string()]
+        lines = [head] + ([self.engine_line] if self.engine_line else []) + [self.to_pandas().round(2).to_string()]
         lines += [f"  fix: {f}" for f in self.fixes]
         return "\n".join(lines)
 

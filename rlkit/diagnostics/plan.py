@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlkit.config import ConfigError, RLConfig
-from rlkit.diagnostics.estimate import MARGIN, MemoryEstimate, estimate_memory, model_shape
+from rlkit.diagnostics.estimate import MARGIN, MemoryEstimate, model_shape
 from rlkit.diagnostics.memory_terms import DTYPE_BYTES, VLLM_WORKSPACE_GIB, GiB, ModelShape
 from rlkit.diagnostics.preflight import estimate_for
-from rlkit.rollout.sleep import AWAKE_HEADROOM
 
 KV_HEADROOM = 0.25
 """KV cache beyond every completion of a step at its longest, in vLLM's blocks: a refill or a longer multi-turn
@@ -73,22 +72,9 @@ class MemoryPlan:
         head = (f"memory plan for a {est.setting.device_memory_gib:.1f} GiB device: peak {est.peak_gib:.1f} GiB in "
                 f"{est.peak_phase!r}")
         parts = [head, *map(str, self.choices)]
-        if (awake := engine_awake_line(est)) is not None:
+        if (awake := est.engine_line) is not None:
             parts.append(awake)
         return "; ".join(parts)
-
-
-def engine_awake_line(est: MemoryEstimate) -> str | None:
-    """Whether vLLM stays awake through the update under ``rollout.sleep="auto"``, and why (None otherwise)."""
-    s = est.setting
-    if s.engine != "vllm" or s.engine_sleep != "auto":
-        return None
-    room = (1 - AWAKE_HEADROOM) * s.device_memory_gib
-    peak = estimate_memory(est.shape, dataclasses.replace(s, engine_sleep="never")).peak_gib
-    if est.engine_awake:
-        return f"vLLM stays awake through the update (with it awake, peak {peak:.1f} GiB <= {room:.1f})"
-    return (f"vLLM sleeps through the update (awake, the peak would be {peak:.1f} GiB > {room:.1f}, "
-            f"{AWAKE_HEADROOM:.0%} of the device kept spare)")
 
 
 def rollout_kv_gib(config: RLConfig, shape: ModelShape, world_size: int) -> float:
