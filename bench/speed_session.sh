@@ -31,13 +31,14 @@ for shape in sys.argv[1:]: print(build_model_dir(shape, Path('$MODELS')))" "$@"
 d1() {
   fetch vllm/c0
   install_run
-  models 0.5b 1.5b
+  models 0.5b
   item trl-0.5b-hf 150 "${TRL[@]}" --shape 0.5b --label trl-hf --json "$RAW/trl-0.5b-hf.json"
 }
 
 d2() {  # TRL=1.5b: TRL's 1.5B step too (about 200 s)
   fetch vllm/c1
   [ "${TRL:-}" = 1.5b ] || return 0
+  models 1.5b
   item trl-1.5b-hf 230 "${TRL[@]}" --shape 1.5b --gradient-checkpointing --label trl-hf-1.5b \
     --json "$RAW/trl-1.5b-hf.json"
 }
@@ -50,11 +51,12 @@ d5() { fetch vllm/c4; }
 d6() {  # the first vLLM run of a fresh machine compiles vLLM's and rlkit's graphs cold: a longer budget
   fetch vllm/c5
   install_vllm || { echo "vLLM install failed"; return 1; }
-  item rlkit-0.5b-defaults 420 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --breakdown-above "${BREAKDOWN:-99}" \
+  item rlkit-0.5b-defaults 500 "${GRPO[@]}" --shape 0.5b --engine vllm --bare-vllm --breakdown-above "${BREAKDOWN:-99}" \
     --label rlkit-defaults --json "$RAW/rlkit-0.5b-defaults.json"
 }
 
 d7() {
+  models 1.5b
   item rlkit-1.5b-defaults 280 "${GRPO[@]}" --shape 1.5b --engine vllm --label rlkit-defaults-1.5b \
     --json "$RAW/rlkit-1.5b-defaults.json"
 }
@@ -79,6 +81,6 @@ d10() {
 
 case "${1:-}" in
   d1|d2|d3|d4|d5|d7|d8|d9|d10) run_call "$1" ;;
-  d6) run_call d6 450 ;;
+  d6) run_call d6 540 ;;
   *) sed -n '2,18p' "$0"; exit 2 ;;
 esac
