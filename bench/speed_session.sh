@@ -7,7 +7,7 @@
 #
 #   call  carry                  command                          items
 #   d1    .whl/vllm/c0 .whl/run  bash bench/speed_session.sh d1   TRL install; model folders; TRL HF 0.5B
-#   d2    .whl/vllm/c1           bash bench/speed_session.sh d2   with TRL=1.5b: TRL HF 1.5B (its default checkpointing)
+#   d2    .whl/vllm/c1           bash bench/speed_session.sh d2   with TRL_15B=1: TRL HF 1.5B (its default checkpointing)
 #   d3    .whl/vllm/c2           bash bench/speed_session.sh d3   (carry only)
 #   d4    .whl/vllm/c3           bash bench/speed_session.sh d4   (carry only)
 #   d5    .whl/vllm/c4           bash bench/speed_session.sh d5   (carry only)
@@ -35,9 +35,9 @@ d1() {
   item trl-0.5b-hf 150 "${TRL[@]}" --shape 0.5b --label trl-hf --json "$RAW/trl-0.5b-hf.json"
 }
 
-d2() {  # TRL=1.5b: TRL's 1.5B step too (about 200 s)
+d2() {  # TRL_15B=1: TRL's 1.5B step too (about 200 s)
   fetch vllm/c1
-  [ "${TRL:-}" = 1.5b ] || return 0
+  [ "${TRL_15B:-}" = 1 ] || return 0
   models 1.5b
   item trl-1.5b-hf 230 "${TRL[@]}" --shape 1.5b --gradient-checkpointing --label trl-hf-1.5b \
     --json "$RAW/trl-1.5b-hf.json"

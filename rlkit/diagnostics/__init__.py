@@ -38,7 +38,7 @@ from rlkit.diagnostics.memory import (
 )
 from rlkit.diagnostics.memory_terms import MemorySetting, ModelShape
 from rlkit.diagnostics.mismatch import MismatchReport, mismatch_report
-from rlkit.diagnostics.plan import MemoryPlan, plan_run
+from rlkit.diagnostics.plan import MemoryPlan, PlannedSetting, plan_run
 from rlkit.diagnostics.preflight import check_launch, estimate_for, memory_setting, preflight, rank_estimate
 from rlkit.diagnostics.scaling import memory_scaling
 from rlkit.diagnostics.sharding import Sharding, sharding
@@ -55,6 +55,7 @@ __all__ = [
     "MemorySetting",
     "MemoryTracker",
     "MismatchReport",
+    "PlannedSetting",
     "ModelShape",
     "RankReport",
     "Sharding",

@@ -43,7 +43,7 @@ ENGINE_SHARE_SLACK = 0.02
 start-up check wants that much free; the KV cache itself is the size given)."""
 
 
-class Choice(NamedTuple):
+class PlannedSetting(NamedTuple):
     """One planned setting: its dotted name, the value chosen and why."""
 
     setting: str
@@ -60,7 +60,7 @@ class MemoryPlan:
     CPU, where nothing is sized)."""
 
     config: RLConfig
-    choices: tuple[Choice, ...]
+    choices: tuple[PlannedSetting, ...]
     estimate: MemoryEstimate | None
 
     @property
@@ -89,15 +89,15 @@ def rollout_kv_gib(config: RLConfig, shape: ModelShape, world_size: int) -> floa
     return (1 + KV_HEADROOM) * rows * blocks * KV_BLOCK_TOKENS * per_token / GiB
 
 
-def compile_choice(config: RLConfig, device: str) -> Choice:
+def compile_choice(config: RLConfig, device: str) -> PlannedSetting:
     """``fsdp.compile`` when unset: on with FSDP2 on GPUs (docs/BENCHMARKS.md: the 0.5B update 1.38 s against
     1.82 s eager, the 1.5B 3.11 against 4.00, the same loss); off on CPU (compiling costs more than it saves at
     the sizes a CPU trains) and with FSDP1 (rlkit compiles FSDP2's layers only)."""
     if device != "cuda":
-        return Choice("fsdp.compile", False, "CPU: compiling costs more than it saves here")
+        return PlannedSetting("fsdp.compile", False, "CPU: compiling costs more than it saves here")
     if config.fsdp.version == 1:
-        return Choice("fsdp.compile", False, "FSDP1: rlkit compiles FSDP2's layers only")
-    return Choice("fsdp.compile", True, "FSDP2 on GPUs: measured faster, same loss")
+        return PlannedSetting("fsdp.compile", False, "FSDP1: rlkit compiles FSDP2's layers only")
+    return PlannedSetting("fsdp.compile", True, "FSDP2 on GPUs: measured faster, same loss")
 
 
 def plan_run(
@@ -129,7 +129,7 @@ def plan_run(
         if not _fits(est) and _budget_unset(config):
             budget = _largest_budget(candidate, estimate)
             if budget is not None:
-                extra = [*extra, Choice("max_tokens_per_micro_batch", budget, "the largest budget that fits")]
+                extra = [*extra, PlannedSetting("max_tokens_per_micro_batch", budget, "the largest budget that fits")]
                 candidate, est = _with(base, extra), estimate(_with(base, extra))
         if _fits(est):
             return MemoryPlan(_with(candidate, _off(candidate)), tuple(choices + extra), est)
@@ -137,12 +137,12 @@ def plan_run(
 
 
 def _plan_cpu(config: RLConfig) -> MemoryPlan:
-    choices = [Choice("fsdp.compile", False, "CPU: compiling costs more than it saves here")]
+    choices = [PlannedSetting("fsdp.compile", False, "CPU: compiling costs more than it saves here")]
     choices = [c for c in choices if config.fsdp.compile is None]
     return MemoryPlan(_with(config, [*choices, *_off(config)]), tuple(choices), None)
 
 
-def _engine_choices(config: RLConfig, shape: ModelShape, world_size: int, device_gib: float) -> list[Choice]:
+def _engine_choices(config: RLConfig, shape: ModelShape, world_size: int, device_gib: float) -> list[PlannedSetting]:
     """vLLM's KV cache and nominal share of the device, sized to the rollout, where the user gave neither."""
     rollout = config.rollout
     if rollout.engine != "vllm" or rollout.gpu_memory_utilization is not None or rollout.kv_cache_gb > 0:
@@ -152,28 +152,28 @@ def _engine_choices(config: RLConfig, shape: ModelShape, world_size: int, device
     share = min(1.0, math.ceil(100 * ((weights + kv + VLLM_WORKSPACE_GIB) / device_gib + ENGINE_SHARE_SLACK)) / 100)
     rows = config.samples_per_step // world_size * rollout.tensor_parallel_size
     tokens = config.data.max_prompt_tokens + rollout.max_new_tokens
-    return [Choice("rollout.kv_cache_gb", kv, f"{rows} completions x {tokens} tokens + {KV_HEADROOM:.0%}"),
-            Choice("rollout.gpu_memory_utilization", share, "the engine's weights, KV cache and workspace")]
+    return [PlannedSetting("rollout.kv_cache_gb", kv, f"{rows} completions x {tokens} tokens + {KV_HEADROOM:.0%}"),
+            PlannedSetting("rollout.gpu_memory_utilization", share, "the engine's weights, KV cache and workspace")]
 
 
-def _compile(config: RLConfig) -> list[Choice]:
+def _compile(config: RLConfig) -> list[PlannedSetting]:
     return [compile_choice(config, "cuda")] if config.fsdp.compile is None else []
 
 
-def _escalations(config: RLConfig) -> list[list[Choice]]:
+def _escalations(config: RLConfig) -> list[list[PlannedSetting]]:
     """The plans tried in order, each adding a slower way to save memory to the ones before (only unset ones)."""
     fsdp = config.fsdp
-    steps = [Choice("fsdp.activation_checkpointing", True, "the update does not fit otherwise")] * (
+    steps = [PlannedSetting("fsdp.activation_checkpointing", True, "the update does not fit otherwise")] * (
         fsdp.activation_checkpointing is None)
-    steps += [Choice("fsdp.cpu_offload", True, "the run does not fit otherwise")] * (fsdp.cpu_offload is None)
+    steps += [PlannedSetting("fsdp.cpu_offload", True, "the run does not fit otherwise")] * (fsdp.cpu_offload is None)
     return [steps[:n] for n in range(len(steps) + 1)]
 
 
-def _off(config: RLConfig) -> list[Choice]:
+def _off(config: RLConfig) -> list[PlannedSetting]:
     """The switches still unset once a plan fits: off (no reason to show)."""
     fsdp = config.fsdp
     names = [n for n in ("activation_checkpointing", "cpu_offload") if getattr(fsdp, n) is None]
-    return [Choice(f"fsdp.{n}", False, "") for n in names]
+    return [PlannedSetting(f"fsdp.{n}", False, "") for n in names]
 
 
 def _budget_unset(config: RLConfig) -> bool:
@@ -211,7 +211,7 @@ def _refusal(planned: MemoryEstimate) -> str:
             f"{where}; " + (f"fixes: {fixes}" if fixes else "use more ranks, a smaller model or shorter sequences"))
 
 
-def _with(config: RLConfig, choices: list[Choice]) -> RLConfig:
+def _with(config: RLConfig, choices: list[PlannedSetting]) -> RLConfig:
     """``config`` with the chosen settings set (dotted names: one level of section)."""
     for choice in choices:
         section, _, name = choice.setting.rpartition(".")
