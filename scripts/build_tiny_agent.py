@@ -33,9 +33,10 @@ the true result); with the prompt's tool listed (alone, with another in either o
 and with only the other two tools (or one) listed: 0.004 / 0.004 / 0.000, 0.008 / 0.008 / 0.008 and 0.004 / 0.004 /
 0.004. It picks the tool by the prompt and calls only a listed one, but rarely copies a conversion's two decimals
 right (it writes the whole part and guesses the rest). A build with one in ten conversations lacking the prompt's
-tool (1592 s) copied them better (0.12-0.16) but called the prompt's tool as often when it was not listed
-(0.23-0.26); the agent before the converter, on products and dates alone (3600 steps, 1047 s), never called a
-tool once a third one was listed. On that mix, 1800 steps (726 s) learnt the call's format but not the copying;
+tool (1592 s at load 2-5) answered 0.12-0.16 of the conversions right after the call but called the prompt's tool
+as often when it was not listed (0.23-0.26). The agent before the converter, on products and dates alone (3600
+steps, 1047 s), never called a converter and, with one listed, the calculator on at most 9 of 64 products. On
+products and dates, 1800 steps (726 s) learnt the call's format but not the copying;
 for the one-tool agent, 900 steps (623 s) called the calculator on 0.06, 1000 steps at lr 6e-3 (563 s) never.
 """
 
