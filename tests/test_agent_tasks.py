@@ -5,6 +5,7 @@ tool a prompt needs among two or three."""
 from __future__ import annotations
 
 import datetime
+import random
 import re
 
 import pytest
@@ -134,3 +135,40 @@ def test_with_several_tools_listed_the_tiny_agent_calls_the_one_each_prompt_need
         wrong += any(c.name != name for c in calls)
     assert min(right.values()) >= 5, f"right calls on 64 prompts of each task whose tool is listed: {right}"
     assert wrong <= 4, f"{wrong} of 192 prompts called a tool they do not need"
+
+
+def test_the_build_trains_on_the_ids_a_rollout_appends(monkeypatch):
+    """scripts/build_tiny_agent.py encodes each training conversation as a trajectory holds it (the prompt, each
+    model turn through its end-of-turn token, the observation's ids, by rlkit's renderer): no drift from a re-render
+    of the conversation, and the labels are exactly the model's turns."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from transformers.utils import get_json_schema
+
+    from rlkit.data.chat import ChatRenderer
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "build_tiny_agent.py"
+    spec = importlib.util.spec_from_file_location("build_tiny_agent", path)
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, build)  # its dataclass looks its module up there
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what the script sets, undone after the test
+    spec.loader.exec_module(build)
+    tokenizer = load_tokenizer(TINY_AGENT_DIR)
+    question = "37 mi to km"
+    call = build.call_text(build.CONVERSION_TASK, question)
+    conversations = [
+        ([{"role": "user", "content": question}, {"role": "assistant", "content": call},
+          {"role": "tool", "content": "59.55"}, {"role": "assistant", "content": "59.55"}], [weekday, convert]),
+        (build.guess_conversation(random.Random(3)), []),
+    ]  # fmt: skip
+    for messages, tools in conversations:
+        renderer = ChatRenderer(tokenizer, [get_json_schema(t) for t in tools])
+        ids, labels = build.encode(renderer, messages)
+        assert renderer.drift(messages, ids) == ""
+        assert len(labels) == len(ids) and all(label in (-100, i) for label, i in zip(labels, ids, strict=True))
+        turns = [m["content"] for m in messages if m["role"] == "assistant"]
+        learnt = tokenizer.decode([label for label in labels if label != -100])
+        assert learnt == "".join(f"{turn}<|im_end|>" for turn in turns)
