@@ -7,7 +7,8 @@
 - Dates: a prompt such as ``"1987-06-23"``, answered by its day of the week, which the tiny model cannot work
   out either: it calls :func:`weekday` now and then, else it guesses a day (right one time in seven).
 - Conversions: a prompt such as ``"37 mi to km"`` (miles, inches, pounds and their metric units, either way),
-  answered to two decimals ("59.55"), which the tiny model cannot work out: it calls :func:`convert` now and then.
+  answered to two decimals ("59.55"), which the tiny model cannot work out: it calls :func:`convert` now and then,
+  but then copies the result's whole part and guesses its decimals (right about one time in ten).
 - Several at once (:func:`tool_prompts` with ``tools=[calculator, weekday]``, the task of model="tiny-agent" without
   data): the model was pre-trained with one, two or all three tools listed, in any order, so it picks the tool
   that the prompt needs by its name, and answers without a call when that tool is not listed.
