@@ -57,19 +57,20 @@ def convert_units(value: float, unit: str, to: str) -> str:
 
 
 def test_the_tiny_agent_warns_of_tools_it_was_never_taught(caplog):
-    """Listed beside the calculator, a unit converter it never saw stops the tiny agent calling any tool (measured:
-    products called the calculator on 0 of 32 samples, against 10 of 32 with the calculator alone): a warning
-    names the tool and the fix; its own two tools give none."""
+    """Listed beside the calculator, a unit converter of the user's own (not the bundled ``convert``, which it was
+    pre-trained with) can stop the tiny agent calling any tool (the agent at 79ff466 called the calculator on 0 of
+    32 products, against 10 of 32 with the calculator alone): a warning names the tool and the fix; its own three
+    tools give none."""
     from rlkit.config import GRPOConfig
     from rlkit.data import load_run_data
-    from rlkit.data.agent_tasks import answer_reward, calculator, product_prompts, weekday
+    from rlkit.data.agent_tasks import answer_reward, calculator, convert, product_prompts, weekday
     from rlkit.models import load_tokenizer
     from rlkit.models.tiny import TINY_AGENT_DIR
 
     tokenizer, config = load_tokenizer(TINY_AGENT_DIR), GRPOConfig(model="tiny-agent")
     rows = product_prompts(4, seed=0)
     with caplog.at_level("WARNING", logger="rlkit.data.run_data"):
-        load_run_data(config, tokenizer, prompts=rows, reward_fn=answer_reward, tools=[calculator, weekday])
+        load_run_data(config, tokenizer, prompts=rows, reward_fn=answer_reward, tools=[calculator, weekday, convert])
         assert caplog.records == []
         load_run_data(config, tokenizer, prompts=rows, reward_fn=answer_reward, tools=[calculator, convert_units])
     (record,) = caplog.records

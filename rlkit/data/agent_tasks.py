@@ -6,9 +6,12 @@
   exact product, so RL raises the share of trajectories that call the tool, and the reward with it.
 - Dates: a prompt such as ``"1987-06-23"``, answered by its day of the week, which the tiny model cannot work
   out either: it calls :func:`weekday` now and then, else it guesses a day (right one time in seven).
-- Both at once (:func:`tool_prompts` with ``tools=[calculator, weekday]``, the task of model="tiny-agent" without
-  data): the model was pre-trained with one or both tools listed, in either order, so it picks the tool that
-  the prompt needs by its name, and answers without a call when that tool is not listed.
+- Conversions: a prompt such as ``"37 mi to km"`` (miles, inches, pounds and their metric units, either way),
+  answered to two decimals ("59.55"), which the tiny model cannot work out: it calls :func:`convert` now and then,
+  but then copies the result's whole part and guesses its decimals (right about one time in ten).
+- Several at once (:func:`tool_prompts` with ``tools=[calculator, weekday]``, the task of model="tiny-agent" without
+  data): the model was pre-trained with one, two or all three tools listed, in any order, so it picks the tool
+  that the prompt needs by its name, and answers without a call when that tool is not listed.
 - Guess-the-number (:class:`GuessNumber`): an environment without tools; each model turn is a guess,
   the environment answers "higher", "lower" or "correct" and pays 1 for the right number.
 """
@@ -28,6 +31,8 @@ GUESS_PROMPT = f"guess 1-{GUESS_HIGH}"
 WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 DATES = (datetime.date(1900, 1, 1), datetime.date(2099, 12, 31))
 """The first and last days of :func:`date_prompts`."""
+UNITS = {"mi": ("km", 1.609344), "in": ("cm", 2.54), "lb": ("kg", 0.45359237)}
+"""A unit of :func:`convert` -> its metric counterpart and how many of that one it is (exact by definition)."""
 
 
 def calculator(expression: str) -> str:
@@ -56,6 +61,24 @@ def weekday(date: str) -> str:
     return WEEKDAYS[day.weekday()]
 
 
+def convert(quantity: str) -> str:
+    """Convert an amount between miles and km, inches and cm, or pounds and kg, to two decimals.
+
+    Args:
+        quantity: an amount, its unit and the unit wanted, e.g. "37 mi to km".
+    """
+    match = re.fullmatch(r"\s*(\d{1,9}(?:\.\d{1,9})?)\s*([a-z]+)\s+to\s+([a-z]+)\s*", quantity)
+    factors = {**{(u, m): f for u, (m, f) in UNITS.items()}, **{(m, u): 1 / f for u, (m, f) in UNITS.items()}}
+    if match is None or (match[2], match[3]) not in factors:
+        pairs = ", ".join(f"{u} and {m}" for u, (m, _) in UNITS.items())
+        raise ValueError(f'convert takes "<amount> <unit> to <unit>" for {pairs} (either way), got {quantity!r}')
+    return f"{float(match[1]) * factors[match[2], match[3]]:.2f}"
+
+
+TOOLS = (calculator, weekday, convert)
+"""The tools model="tiny-agent" was pre-trained to call, each on its own task's prompts."""
+
+
 def product_prompts(n: int, seed: int, *, digits: tuple[int, int] = (3, 2)) -> list[dict[str, Any]]:
     """``n`` rows ``{"prompt": [user message "a*b"], "answer": "a*b"}``; ``a`` and ``b`` have ``digits`` digits."""
     rng = random.Random(seed)
@@ -72,6 +95,19 @@ def date_prompts(n: int, seed: int) -> list[dict[str, Any]]:
     first, last = (d.toordinal() for d in DATES)
     days = [datetime.date.fromordinal(rng.randint(first, last)) for _ in range(n)]
     return [{"prompt": [{"role": "user", "content": d.isoformat()}], "answer": WEEKDAYS[d.weekday()]} for d in days]
+
+
+def conversion_prompts(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows ``{"prompt": [user message "<10..999> <unit> to <unit>"], "answer": its conversion}``, the units one
+    of :data:`UNITS` and its metric counterpart, either way round."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        unit, metric = rng.choice([(u, m) for u, (m, _) in UNITS.items()])
+        unit, to = (unit, metric) if rng.random() < 0.5 else (metric, unit)
+        quantity = f"{rng.randint(10, 999)} {unit} to {to}"
+        rows.append({"prompt": [{"role": "user", "content": quantity}], "answer": convert(quantity)})
+    return rows
 
 
 def tool_prompts(n: int, seed: int) -> list[dict[str, Any]]:

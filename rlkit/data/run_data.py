@@ -153,16 +153,17 @@ def _bundled_agent_task(
 
 
 def _warn_of_unknown_tools(config: RLConfig, agent: Agent | None) -> None:
-    """A warning when model="tiny-agent" is given tools it was not pre-trained with: listed beside the calculator
-    or weekday, an unknown tool can stop it calling any (reward 0, nothing to learn from)."""
+    """A warning when model="tiny-agent" is given tools it was not pre-trained with (``agent_tasks.TOOLS``): listed
+    beside them, an unknown tool can stop it calling any (reward 0, nothing to learn from)."""
     if config.model != "tiny-agent" or agent is None:
         return
-    unknown = sorted({t.name for t in agent.tools} - {agent_tasks.calculator.__name__, agent_tasks.weekday.__name__})
+    known = [t.__name__ for t in agent_tasks.TOOLS]
+    unknown = sorted({t.name for t in agent.tools} - set(known))
     if unknown:
         logger.warning(
-            "model='tiny-agent' was pre-trained with the calculator and weekday tools only; with %s listed it may "
-            "call no tool at all (reward 0, nothing for RL to raise): train your own tools on a model of your own "
-            "(see the agentic guide, 'The bundled agent')", unknown
+            "model='tiny-agent' was pre-trained with the %s tools only; with %s listed it may call no tool at all "
+            "(reward 0, nothing for RL to raise): train your own tools on a model of your own (see the agentic "
+            "guide, 'The bundled agent')", ", ".join(known), unknown
         )
 
 

@@ -15,9 +15,10 @@ TINY_MODEL_DIR: Path = Path(__file__).resolve().parent / "tiny"
 """Hugging Face model folder (config, generation config, safetensors, tokenizer) of the bundled tiny policy."""
 TINY_AGENT_DIR: Path = Path(__file__).resolve().parent / "tiny_agent"
 """The bundled tiny agent (``model="tiny-agent"``): a 3-layer Qwen2 with a chat template that lists tools, pre-trained
-on the multi-turn tasks of :mod:`rlkit.data.agent_tasks` (with one or both of its tools listed, in either order,
-calling the listed tool that the prompt needs in the Hermes format on a quarter to a third of the products and dates,
-guessing the others; guess-the-number by noisy bisection). Rebuild it with
+on the multi-turn tasks of :mod:`rlkit.data.agent_tasks` (products, dates and unit conversions, with one, two or all
+three of its tools listed, in any order: it calls the listed tool that the prompt needs in the Hermes format on a
+fifth to a third of the prompts, a tool not listed nearly never, and guesses the others; guess-the-number by noisy
+bisection). Rebuild it with
 
     python scripts/build_tiny_agent.py --out rlkit/models/tiny_agent --seed 0
 """
