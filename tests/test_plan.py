@@ -140,7 +140,9 @@ def test_on_cpu_nothing_is_sized_and_the_unset_switches_are_off():
     assert p.config.rollout.gpu_memory_utilization is None and "CPU cluster, nothing sized" in p.line
 
 
-def test_fsdp1_is_not_compiled_and_says_why():
-    p = plan(yardstick(fsdp=rlkit.FSDPConfig(version=1)))
+@pytest.mark.parametrize("changes, why", [({"fsdp": rlkit.FSDPConfig(version=1)}, "FSDP1"),
+                                         ({"lora": rlkit.LoraConfig(rank=16)}, "LoRA")])
+def test_fsdp1_and_lora_are_not_compiled_and_the_plan_says_why(changes, why):
+    p = plan(yardstick(**changes))
     (choice,) = [c for c in p.choices if c.setting == "fsdp.compile"]
-    assert choice.value is False and "FSDP1" in choice.reason
+    assert choice.value is False and why in choice.reason and p.config.fsdp.compile is False

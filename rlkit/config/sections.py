@@ -244,8 +244,8 @@ class FSDPConfig:
     """``torch.compile`` each decoder layer's forward (after activation checkpointing, before sharding, as
     torchtitan orders them) and the fused LM head's per-chunk softmax math; the first steps pay the
     compile time (and a recompile or two as packed lengths vary). FSDP2 only. None (unset): on for GRPO/PPO
-    with FSDP2 on GPUs (measured faster with the same loss: docs/BENCHMARKS.md), off on CPUs, with FSDP1 and for
-    DPO/KTO and the Tinker server (not measured there)."""
+    full fine-tuning with FSDP2 on GPUs (measured faster with the same loss: docs/BENCHMARKS.md); off on CPUs,
+    with FSDP1, with LoRA and for DPO/KTO and the Tinker server (not measured faster there yet)."""
     kernels: str = "torch"
     """"torch" (the model's own code) or "liger": Liger Kernel's fused Triton RMSNorm, SwiGLU and rotary
     embedding swapped into each decoder layer before sharding (``pip install 'rlkit[kernels]'``; CUDA only;

@@ -6,7 +6,7 @@ unset at 0. :func:`plan_run` fills them in, on a GPU cluster of ``device_memory_
 
 1. vLLM's KV cache is sized to the rollout (:func:`rollout_kv_gib`): every completion of a rank's step at its
    longest, plus :data:`KV_HEADROOM`, instead of a fixed share of the device.
-2. ``fsdp.compile`` is on with FSDP2 (:func:`compile_choice` says why, and where not).
+2. ``fsdp.compile`` is on for full fine-tuning with FSDP2 (:func:`compile_choice` says why, and where not).
 3. If the estimate's peak does not fit with :data:`~rlkit.diagnostics.estimate.MARGIN` to spare: the cheapest of
    a token budget per micro-batch (packed rows), then activation checkpointing, then CPU offload, each tried with
    the ones before it, the first that fits.
@@ -90,13 +90,16 @@ def rollout_kv_gib(config: RLConfig, shape: ModelShape, world_size: int) -> floa
 
 
 def compile_choice(config: RLConfig, device: str) -> PlannedSetting:
-    """``fsdp.compile`` when unset: on with FSDP2 on GPUs (docs/BENCHMARKS.md: the 0.5B update 1.38 s against
-    1.82 s eager, the 1.5B 3.11 against 4.00, the same loss); off on CPU (compiling costs more than it saves at
-    the sizes a CPU trains) and with FSDP1 (rlkit compiles FSDP2's layers only)."""
+    """``fsdp.compile`` when unset: on for full fine-tuning with FSDP2 on GPUs (docs/BENCHMARKS.md: the 0.5B
+    update 1.38 s against 1.82 s eager, the 1.5B 3.11 against 4.00, the same loss); off on CPU (compiling costs
+    more than it saves at the sizes a CPU trains), with FSDP1 (rlkit compiles FSDP2's layers only) and with LoRA
+    (compiled, it ran on an H100; its speed against eager is not measured yet: bench/speed_session.sh d9)."""
     if device != "cuda":
         return PlannedSetting("fsdp.compile", False, "CPU: compiling costs more than it saves here")
     if config.fsdp.version == 1:
         return PlannedSetting("fsdp.compile", False, "FSDP1: rlkit compiles FSDP2's layers only")
+    if config.lora.rank > 0:
+        return PlannedSetting("fsdp.compile", False, "LoRA: not yet measured faster compiled")
     return PlannedSetting("fsdp.compile", True, "FSDP2 on GPUs: measured faster, same loss")
 
 
