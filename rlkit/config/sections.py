@@ -104,6 +104,13 @@ class RolloutConfig:
     (before the first update the memory estimate's figure, then the measured one) plus 10% of the device, and
     sleeps otherwise. No-op on CPU (no sleep mode)."""
 
+    @property
+    def engine_share(self) -> float:
+        """vLLM's share of the GPU: ``gpu_memory_utilization``, or where neither it nor a memory plan set it,
+        :data:`UNPLANNED_GPU_MEMORY_UTILIZATION`."""
+        share = self.gpu_memory_utilization
+        return UNPLANNED_GPU_MEMORY_UTILIZATION if share is None else share
+
     def problems(self, prefix: str = "rollout") -> list[str]:
         p: list[str] = []
         need(p, self.engine in ENGINES, f'{prefix}.engine="{self.engine}": valid engines are {ENGINES}')

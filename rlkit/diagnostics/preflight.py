@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlkit.config import ConfigError
-from rlkit.config.sections import UNPLANNED_GPU_MEMORY_UTILIZATION
 from rlkit.config.typed import type_problems
 from rlkit.diagnostics import rules
 from rlkit.diagnostics.estimate import MemoryEstimate, estimate_memory
@@ -72,7 +71,7 @@ def memory_setting(
         recompute_logprobs=config.recompute_logprobs,
         entropy_bonus=config.entropy_coef > 0,
         engine=rollout.engine,
-        gpu_memory_utilization=_share(rollout.gpu_memory_utilization),
+        gpu_memory_utilization=rollout.engine_share,
         kv_cache_gib=rollout.kv_cache_gb,
         engine_sleep=rollout.sleep,
         lora_rank=config.lora.rank,
@@ -81,10 +80,6 @@ def memory_setting(
         host_memory_gib=host_memory_gib,
         ranks_per_host=ranks_per_host,
     )
-
-
-def _share(gpu_memory_utilization: float | None) -> float:
-    return UNPLANNED_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
 
 
 def estimate_for(

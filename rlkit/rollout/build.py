@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from rlkit.config import LoraConfig, RolloutConfig
-from rlkit.config.sections import UNPLANNED_GPU_MEMORY_UTILIZATION
 from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.models.lora import apply_lora
 from rlkit.rollout.base import RolloutEngine
@@ -52,7 +51,7 @@ def build_engine(
                 pad_token_id=pad_token_id,
                 max_num_seqs=max_num_seqs * tp,  # the whole group's completions in one call
                 max_model_len=_max_model_len(max_prompt_tokens + config.max_new_tokens, model_dir),
-                gpu_memory_utilization=_share(config),
+                gpu_memory_utilization=config.engine_share,
                 kv_cache_gb=config.kv_cache_gb,
                 seed=seed,
                 logprob_fraction=logprob_fraction(config.engine_logprobs, adapters is not None, max_num_seqs),
@@ -69,12 +68,6 @@ def build_engine(
         apply_lora(model, adapters)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, tokenizer=tokenizer)
-
-
-def _share(config: RolloutConfig) -> float:
-    """vLLM's share of the device: the setting, or where neither it nor a plan set it, the unplanned default."""
-    share = config.gpu_memory_utilization
-    return UNPLANNED_GPU_MEMORY_UTILIZATION if share is None else share
 
 
 def logprob_fraction(engine_logprobs: float, adapters: bool, max_num_seqs: int) -> float:
