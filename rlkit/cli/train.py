@@ -167,14 +167,11 @@ def _checked_rl(args: argparse.Namespace, config: RLConfig, world_size: int) -> 
     plan_line = ""
     if gpu_gib is not None:  # GPUs: will it fit? (the plan, before anything loads: ConfigError if nothing fits)
         _, host_gib = diagnostics.host_memory()  # this machine's, for the ranks it launches (torchrun: its node's)
-        sizes: dict[str, Any] = dict(world_size=world_size, device_memory_gib=gpu_gib, host_memory_gib=host_gib,
-                                     ranks_per_host=max(Counter(nodes).values()) if nodes else world_size)
-        model_dir = resolve_model_dir(config.model)
-        plan = diagnostics.plan_run(config, model_dir, device="cuda", **sizes)
-        plan_line = plan.line
-        findings = diagnostics.preflight(plan.config, model_dir, **sizes)
-        if findings.items:
-            print(f"warning: {findings}", file=sys.stderr, flush=True)
+        per_host = max(Counter(nodes).values()) if nodes else world_size
+        plan = diagnostics.plan_run(config, resolve_model_dir(config.model), world_size=world_size, device="cuda",
+                                    device_memory_gib=gpu_gib, host_memory_gib=host_gib,
+                                    ranks_per_host=per_host)  # fmt: skip
+        plan_line = plan.line  # a plan fits with room: no preflight finding is left to warn of
     terms = [t.name for t in data.rewards] + (["reward_model"] if config.reward_model.path else [])
     terms += [ENVIRONMENT_TERM] if data.agent is not None and data.agent.environment is not None else []
     summary = "\n".join(line for line in (data.summary(), describe_lora(config), plan_line) if line)

@@ -119,7 +119,7 @@ def plan_run(
     if device != "cuda":
         return _plan_cpu(config)
     shape = model_shape(config.model if model_config is None else model_config)
-    choices = _engine_choices(config, shape, world_size, device_memory_gib) + _compile(config)
+    choices = _engine_choices(config, shape, world_size, device_memory_gib) + _compile(config, "cuda")
     base = _with(config, choices)
 
     def estimate(candidate: RLConfig) -> MemoryEstimate:
@@ -133,15 +133,15 @@ def plan_run(
             budget = _largest_budget(candidate, estimate)
             if budget is not None:
                 extra = [*extra, PlannedSetting("max_tokens_per_micro_batch", budget, "the largest budget that fits")]
-                candidate, est = _with(base, extra), estimate(_with(base, extra))
+                candidate = _with(base, extra)
+                est = estimate(candidate)
         if _fits(est):
             return MemoryPlan(_with(candidate, _off(candidate)), tuple(choices + extra), est)
     raise ConfigError([_refusal(estimate(_with(base, _escalations(config)[-1])))])
 
 
 def _plan_cpu(config: RLConfig) -> MemoryPlan:
-    choices = [PlannedSetting("fsdp.compile", False, "CPU: compiling costs more than it saves here")]
-    choices = [c for c in choices if config.fsdp.compile is None]
+    choices = _compile(config, "cpu")
     return MemoryPlan(_with(config, [*choices, *_off(config)]), tuple(choices), None)
 
 
@@ -159,8 +159,8 @@ def _engine_choices(config: RLConfig, shape: ModelShape, world_size: int, device
             PlannedSetting("rollout.gpu_memory_utilization", share, "the engine's weights, KV cache and workspace")]
 
 
-def _compile(config: RLConfig) -> list[PlannedSetting]:
-    return [compile_choice(config, "cuda")] if config.fsdp.compile is None else []
+def _compile(config: RLConfig, device: str) -> list[PlannedSetting]:
+    return [compile_choice(config, device)] if config.fsdp.compile is None else []
 
 
 def _escalations(config: RLConfig) -> list[list[PlannedSetting]]:

@@ -107,9 +107,6 @@ class Trainer(PolicyTrainerBase):
         self.last_batch: Batch | None = None
         self._trained: weakref.ref[Batch] | None = None
         """The batch of the last update (a second update on it is warned about)."""
-        findings = self._memory_findings()  # before any model loads: the fix now, not an out-of-memory later
-        if findings.items:
-            logger.warning("%s", findings)
         owner = self._owner
         self._policy = RoleGroup(cluster, PolicyWorker, config, str(self.model_dir), policy_loss_fn, self.agent,
                                  owner=owner)  # fmt: skip
